@@ -1,0 +1,129 @@
+"""Small HF checkpoints with random weights, for the demo, the tests and the benchmarks.
+
+No model can be downloaded where weightsync is tested, so every model it runs is built from a
+transformers config with random initialisation and saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Configs by name. "tiny" models run a forward pass in milliseconds on one CPU core; "small"
+# is large enough that a sync moves tens of megabytes.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model_type": "qwen3",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
+    "small": {
+        "model_type": "qwen3",
+        "vocab_size": 8000,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """A config.json dict for a named preset (`tiny`, `small`, `tiny-moe`), with overrides.
+
+    Raises:
+        ValueError: the name is not a preset.
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(_PRESETS)}")
+    return {**_PRESETS[name], **overrides}
+
+
+def build_hf_config(config: dict[str, Any]):
+    """A transformers config object from a config.json dict (its `model_type` picks the class)."""
+    from transformers import AutoConfig
+
+    data = dict(config)
+    model_type = data.pop("model_type")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def random_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A transformers causal-LM with random weights for `config` (a config.json dict)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = build_hf_config(config)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    # transformers initialises some weights (norms) to constants; perturb them so a wrong
+    # mapping between two norms cannot go unnoticed.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    config: dict[str, Any],
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Path:
+    """Write a random-init HF checkpoint (config.json + safetensors) to `path` and return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = random_model(config, dtype=dtype, seed=seed)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_config_dict(path: str | Path) -> dict[str, Any]:
+    """Read a config.json, given the file or the checkpoint folder that holds it.
+
+    Raises:
+        ValueError: no config.json there, or it has no `model_type`.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"no config.json at {path}: pass a config.json or a checkpoint folder")
+    data = json.loads(file.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"{file} has no 'model_type'; is it a Hugging Face config.json?")
+    return data

@@ -1,0 +1,136 @@
+"""The parallelism of one rollout rank, as SGLang publishes it (`RankParallelismConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_FIELDS = (
+    "tp_size",
+    "tp_rank",
+    "pp_size",
+    "pp_rank",
+    "ep_size",
+    "ep_rank",
+    "moe_tp_size",
+    "moe_tp_rank",
+    "attn_tp_size",
+    "attn_tp_rank",
+    "attn_dp_size",
+    "attn_dp_rank",
+    "world_size",
+    "global_rank",
+    "local_rank",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelismConfig:
+    """Where one rollout rank sits in its replica's parallel layout.
+
+    Only ``tp_size`` and ``tp_rank`` are required. The others default the way SGLang derives
+    them: no pipeline or expert parallelism, MoE tensor parallelism ``tp_size // ep_size`` with
+    ``moe_tp_rank = tp_rank % moe_tp_size`` and ``ep_rank = tp_rank // moe_tp_size``, attention
+    tensor parallelism equal to ``tp_size``, one attention data-parallel group, and
+    ``world_size = tp_size * pp_size``.
+
+    Raises:
+        ValueError: a size is not positive, a rank is outside its size, or the sizes do not
+            divide (``ep_size`` must divide ``tp_size``, ``moe_tp_size * ep_size == tp_size``).
+    """
+
+    tp_size: int
+    tp_rank: int
+    pp_size: int = 1
+    pp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int | None = None
+    moe_tp_size: int | None = None
+    moe_tp_rank: int | None = None
+    attn_tp_size: int | None = None
+    attn_tp_rank: int | None = None
+    attn_dp_size: int = 1
+    attn_dp_rank: int = 0
+    world_size: int | None = None
+    global_rank: int | None = None
+    local_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "ep_size", "attn_dp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelismConfig.{name} must be a positive int, got {value!r}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(
+                f"ParallelismConfig: ep_size={self.ep_size} must divide tp_size={self.tp_size}"
+            )
+        # Derived fields are filled in here so that every reader sees one resolved config.
+        moe_tp_size = (
+            self.moe_tp_size if self.moe_tp_size is not None else self.tp_size // self.ep_size
+        )
+        if moe_tp_size < 1 or moe_tp_size * self.ep_size != self.tp_size:
+            raise ValueError(
+                f"ParallelismConfig: moe_tp_size={moe_tp_size} * ep_size={self.ep_size} "
+                f"must equal tp_size={self.tp_size}"
+            )
+        defaults = {
+            "moe_tp_size": moe_tp_size,
+            "moe_tp_rank": self.tp_rank % moe_tp_size,
+            "ep_rank": self.tp_rank // moe_tp_size,
+            "attn_tp_size": self.tp_size,
+            "attn_tp_rank": self.tp_rank,
+            "world_size": self.tp_size * self.pp_size,
+            "global_rank": self.pp_rank * self.tp_size + self.tp_rank,
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.local_rank is None:
+            object.__setattr__(self, "local_rank", self.global_rank)
+        for size_name, rank_name in (
+            ("tp_size", "tp_rank"),
+            ("pp_size", "pp_rank"),
+            ("ep_size", "ep_rank"),
+            ("moe_tp_size", "moe_tp_rank"),
+            ("attn_tp_size", "attn_tp_rank"),
+            ("attn_dp_size", "attn_dp_rank"),
+            ("world_size", "global_rank"),
+        ):
+            size, rank = getattr(self, size_name), getattr(self, rank_name)
+            if not isinstance(rank, int) or not 0 <= rank < size:
+                raise ValueError(
+                    f"ParallelismConfig.{rank_name}={rank!r} must be in [0, {size_name}={size})"
+                )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParallelismConfig:
+        """Build a config from a dict such as SGLang's `RankParallelismConfig.to_dict()`.
+
+        Unknown keys are ignored, so newer servers that publish more fields still parse.
+        """
+        return cls(**{k: data[k] for k in _FIELDS if k in data and data[k] is not None})
+
+    def to_dict(self) -> dict[str, int]:
+        """All fields as a plain dict; `from_dict(to_dict())` returns an equal config."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def layout_key(self) -> tuple[int, ...]:
+        """The fields that decide which bytes this rank holds.
+
+        Two ranks (of any replicas) with equal keys hold byte-identical weights, so the
+        trainer stages their bytes once and writes them to both.
+        """
+        return (
+            self.tp_size,
+            self.tp_rank,
+            self.pp_size,
+            self.pp_rank,
+            self.ep_size,
+            self.ep_rank,
+            self.moe_tp_size,
+            self.moe_tp_rank,
+            self.attn_tp_size,
+            self.attn_tp_rank,
+        )
