@@ -47,6 +47,23 @@ class TransferError(WeightSyncError):
         self.return_code = return_code
         self.param_name = param_name
 
+    def __reduce__(self):
+        # Keyword-only arguments do not survive the default exception pickling, and errors
+        # travel between trainer ranks as pickled objects.
+        return (
+            _rebuild,
+            (
+                type(self),
+                str(self),
+                {
+                    "target_session": self.target_session,
+                    "byte_ranges": self.byte_ranges,
+                    "return_code": self.return_code,
+                    "param_name": self.param_name,
+                },
+            ),
+        )
+
 
 class RemoteReplicaError(WeightSyncError):
     """A rollout replica refused or failed a control-plane call.
@@ -64,3 +81,21 @@ class RemoteReplicaError(WeightSyncError):
         self.replica = replica
         self.route = route
         self.status_code = status_code
+
+    def __reduce__(self):
+        return (
+            _rebuild,
+            (
+                type(self),
+                str(self),
+                {
+                    "replica": self.replica,
+                    "route": self.route,
+                    "status_code": self.status_code,
+                },
+            ),
+        )
+
+
+def _rebuild(cls: type, message: str, kwargs: dict) -> BaseException:
+    return cls(message, **kwargs)

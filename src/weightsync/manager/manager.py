@@ -1,0 +1,360 @@
+"""`SyncManager`: PROTOCOL.md's update lifecycle over every rollout replica."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from weightsync.control import RolloutClient
+from weightsync.errors import RemoteReplicaError, WeightSyncError
+from weightsync.manager.config import SyncConfig
+from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
+from weightsync.plan import TargetRank
+
+logger = logging.getLogger(__name__)
+
+PushFn = Callable[[Sequence[TargetRank], int], Awaitable[PushSummary]]
+"""Writes the new weights into `targets`; the int is the metadata epoch (it changes whenever
+the targets do, so a caller may cache its plan per epoch)."""
+
+
+class SyncManager:
+    """Drives one weight update at a time through every rollout replica.
+
+    The update order is PROTOCOL.md's (the Miles lifecycle):
+
+    1. ``pause_generation`` and ``release_memory_occupation(["kv_cache"])`` on every replica;
+    2. ``begin_weight_update`` on every replica (a replica that fails here stops the update:
+       the sessions that began are ended and every replica resumes serving its old weights);
+    3. first update, or after `add_replica` / `remove_replica`: fetch every rank's transfer
+       engine info and parallelism config (cached until membership changes); with
+       ``check_weight_update_equal``, snapshot and corrupt the weights of every replica;
+    4. ``push(targets, epoch)``: the caller's trainer ranks write their share of the plan;
+    5. ``update_weight_version`` and ``end_weight_update`` on every replica (and, after the
+       first update with the check on, ``weights_checker compare``);
+    6. ``resume_memory_occupation``, ``flush_cache``, ``continue_generation``.
+
+    Every per-replica call is issued to all replicas at once. An opened session is always
+    ended. When the push or anything after it fails, the replicas stay paused rather than
+    serve half-written weights, are marked dirty until a later update succeeds, and the error
+    names the replica (and, for transfer failures, the parameter).
+
+    One `SyncManager` lives on the process that drives the control plane (a driver, or trainer
+    rank 0); it is not thread-safe, and its coroutines must run on one event loop.
+    """
+
+    def __init__(self, replicas: Sequence[str] = (), config: SyncConfig | None = None) -> None:
+        """Create a manager for `replicas` (base URLs of their main HTTP servers)."""
+        self._config = config or SyncConfig()
+        self._replicas: list[str] = []
+        self._clients: dict[str, RolloutClient] = {}
+        self._targets: tuple[TargetRank, ...] | None = None
+        self._epoch = 0
+        self._version = 0
+        self._checked = False
+        self._dirty: set[str] = set()
+        for url in replicas:
+            self.add_replica(url)
+
+    @property
+    def config(self) -> SyncConfig:
+        """The manager's configuration."""
+        return self._config
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The replicas the next update goes to, by base URL."""
+        return tuple(self._replicas)
+
+    @property
+    def dirty_replicas(self) -> frozenset[str]:
+        """Replicas whose last update failed part-way; they hold mixed weights until a later
+        update to them succeeds."""
+        return frozenset(self._dirty)
+
+    @property
+    def metadata_epoch(self) -> int:
+        """Counts metadata refreshes; changes whenever the targets of a push change."""
+        return self._epoch
+
+    def add_replica(self, url: str) -> None:
+        """Add a replica (scale up); the next update fetches metadata again.
+
+        Raises:
+            ValueError: the replica is already managed.
+        """
+        url = url.rstrip("/")
+        if url in self._clients:
+            raise ValueError(f"replica {url} is already managed")
+        self._replicas.append(url)
+        self._clients[url] = RolloutClient(
+            url, api_key=self._config.api_key, timeout_s=self._config.http_timeout_s
+        )
+        self._targets = None
+
+    async def remove_replica(self, url: str) -> None:
+        """Stop managing a replica (scale down); it is no longer contacted.
+
+        Raises:
+            ValueError: the replica is not managed.
+        """
+        url = url.rstrip("/")
+        client = self._clients.pop(url, None)
+        if client is None:
+            raise ValueError(f"replica {url} is not managed; managed: {self._replicas}")
+        self._replicas.remove(url)
+        self._dirty.discard(url)
+        self._targets = None
+        await client.aclose()
+
+    async def aclose(self) -> None:
+        """Close every replica's HTTP client."""
+        await asyncio.gather(*(c.aclose() for c in self._clients.values()))
+
+    async def __aenter__(self) -> SyncManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def targets(self) -> tuple[TargetRank, ...]:
+        """Every rollout rank of every replica, fetched once and cached until membership
+        changes."""
+        if self._targets is None:
+            self._targets = await self._fetch_targets()
+            self._epoch += 1
+        return self._targets
+
+    async def update_weights(self, push: PushFn, *, version: str | None = None) -> SyncReport:
+        """Run one update through every replica; see the class docstring for the order.
+
+        Args:
+            push: writes the weights into the targets it is given and returns what it wrote.
+            version: the new weight version; default: one more than the last.
+
+        Returns:
+            What the update did, with seconds per phase.
+
+        Raises:
+            ValueError: no replica is managed.
+            RemoteReplicaError: a replica refused a control call (named in the error).
+            WeightSyncError: the push or the bit-exact check failed.
+        """
+        if not self._replicas:
+            raise ValueError("no rollout replica to update: add one with add_replica(url)")
+        replicas = tuple(self._replicas)
+        new_version = version if version is not None else str(self._version + 1)
+        cfg = self._config
+        t0 = time.perf_counter()
+
+        await self._on_all(replicas, "pause_generation", mode=cfg.pause_mode)
+        if cfg.release_kv_cache:
+            await self._on_all(replicas, "release_memory_occupation", tags=["kv_cache"])
+        await self._begin(replicas)
+        t_paused = time.perf_counter()
+
+        refreshed = self._targets is None
+        try:
+            targets = await self.targets()
+            first_check = cfg.check_weight_update_equal and not self._checked
+            if first_check:
+                await self._on_all(replicas, "weights_checker", action="snapshot")
+                await self._on_all(replicas, "weights_checker", action="reset_tensors")
+                self._dirty.update(replicas)
+        except BaseException:
+            await self._abandon(replicas, resume=True)
+            raise
+        t_metadata = time.perf_counter()
+
+        try:
+            summary = await push(targets, self._epoch)
+        except BaseException:
+            self._dirty.update(replicas)
+            await self._abandon(replicas, resume=False)
+            raise
+        t_pushed = time.perf_counter()
+
+        bit_exact: bool | None = None
+        try:
+            await self._on_all(
+                replicas, "update_weight_version", new_version=new_version, abort_all_requests=False
+            )
+        except BaseException:
+            await self._abandon(replicas, resume=False)
+            raise
+        await self._on_all(replicas, "end_weight_update")
+        if first_check:
+            await self._compare(replicas)
+            bit_exact = True
+            self._checked = True
+        self._dirty.difference_update(replicas)
+        self._version = int(new_version) if new_version.isdigit() else self._version + 1
+        t_final = time.perf_counter()
+
+        await self._resume(replicas)
+        t_end = time.perf_counter()
+        report = SyncReport(
+            version=new_version,
+            replicas=replicas,
+            phases=PhaseTimes(
+                pause=t_paused - t0,
+                metadata=t_metadata - t_paused,
+                push=t_pushed - t_metadata,
+                finalize=t_final - t_pushed,
+                resume=t_end - t_final,
+            ),
+            push=summary,
+            metadata_refreshed=refreshed,
+            bit_exact=bit_exact,
+        )
+        logger.info(
+            "weight version %s on %d replica(s): %.3f GB in %.3f s (push %.3f s, %.2f GB/s)",
+            new_version,
+            len(replicas),
+            summary.bytes_written / 1e9,
+            report.seconds,
+            report.phases.push,
+            report.gbps,
+        )
+        return report
+
+    async def _fetch_targets(self) -> tuple[TargetRank, ...]:
+        replicas = tuple(self._replicas)
+        infos = await self._on_all(replicas, "get_server_info")
+        rank_calls = []
+        for url in replicas:
+            num_ranks = _num_ranks(url, infos[url])
+            client = self._clients[url]
+            for rank in range(num_ranks):
+                rank_calls.append((url, rank, client))
+        results = await asyncio.gather(
+            *(
+                asyncio.gather(c.get_transfer_engine_info(rank), c.get_parallelism_config(rank))
+                for _, rank, c in rank_calls
+            )
+        )
+        targets = []
+        for (url, rank, _), ((session_id, weights_info), parallelism) in zip(
+            rank_calls, results, strict=True
+        ):
+            targets.append(
+                TargetRank(
+                    replica=url,
+                    rank=rank,
+                    session_id=session_id,
+                    parallelism=parallelism,
+                    weights_info={k: tuple(v) for k, v in weights_info.items()},
+                )
+            )
+        return tuple(targets)
+
+    async def _on_all(self, replicas: Sequence[str], method: str, **kwargs: Any) -> dict[str, Any]:
+        """Call `method` on every replica at once; raise the first failure, naming it."""
+        results = await asyncio.gather(
+            *(getattr(self._clients[url], method)(**kwargs) for url in replicas),
+            return_exceptions=True,
+        )
+        failures = [
+            (u, r) for u, r in zip(replicas, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if failures:
+            url, exc = failures[0]
+            others = f" (and {len(failures) - 1} more replica(s))" if len(failures) > 1 else ""
+            if isinstance(exc, RemoteReplicaError):
+                raise exc
+            raise RemoteReplicaError(
+                f"{method} failed on replica {url}{others}: {exc}", replica=url, route=method
+            ) from exc
+        return dict(zip(replicas, results, strict=True))
+
+    async def _begin(self, replicas: Sequence[str]) -> None:
+        selector = self._config.selector
+        results = await asyncio.gather(
+            *(self._clients[u].begin_weight_update(selector=selector) for u in replicas),
+            return_exceptions=True,
+        )
+        failed = [
+            (u, r) for u, r in zip(replicas, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if not failed:
+            return
+        began = [
+            u for u, r in zip(replicas, results, strict=True) if not isinstance(r, BaseException)
+        ]
+        await asyncio.gather(
+            *(self._clients[u].end_weight_update() for u in began), return_exceptions=True
+        )
+        await self._resume(replicas, best_effort=True)
+        url, exc = failed[0]
+        raise RemoteReplicaError(
+            f"begin_weight_update failed on replica {url}: {exc}; the update was not started "
+            "and every replica serves its previous weights",
+            replica=url,
+            route="begin_weight_update",
+        ) from exc
+
+    async def _abandon(self, replicas: Sequence[str], *, resume: bool) -> None:
+        """End every session after a failure; resume serving only if no byte was written."""
+        await asyncio.gather(
+            *(self._clients[u].end_weight_update() for u in replicas), return_exceptions=True
+        )
+        if resume:
+            await self._resume(replicas, best_effort=True)
+        else:
+            logger.error(
+                "update failed after writing began; replicas %s stay paused with mixed weights "
+                "until a later update succeeds",
+                ", ".join(replicas),
+            )
+
+    async def _resume(self, replicas: Sequence[str], *, best_effort: bool = False) -> None:
+        steps: list[tuple[str, dict[str, Any]]] = []
+        if self._config.release_kv_cache:
+            steps.append(("resume_memory_occupation", {"tags": ["kv_cache"]}))
+        steps += [("flush_cache", {}), ("continue_generation", {})]
+        for method, kwargs in steps:
+            if best_effort:
+                await asyncio.gather(
+                    *(getattr(self._clients[u], method)(**kwargs) for u in replicas),
+                    return_exceptions=True,
+                )
+            else:
+                await self._on_all(replicas, method, **kwargs)
+
+    async def _compare(self, replicas: Sequence[str]) -> None:
+        results = await asyncio.gather(
+            *(
+                self._clients[u].weights_checker(
+                    action="compare",
+                    allow_quant_error=self._config.allow_quant_error,
+                    timeout_s=self._config.check_timeout_s,
+                )
+                for u in replicas
+            ),
+            return_exceptions=True,
+        )
+        failed = [
+            (u, r) for u, r in zip(replicas, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if failed:
+            self._dirty.update(u for u, _ in failed)
+            url, exc = failed[0]
+            raise WeightSyncError(
+                f"bit-exact check failed on replica {url}: the first sync did not restore the "
+                f"snapshotted weights: {exc}"
+            ) from exc
+
+
+def _num_ranks(url: str, server_info: dict[str, Any]) -> int:
+    tp_size = server_info.get("tp_size")
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise RemoteReplicaError(
+            f"replica {url} reported no valid tp_size in /server_info ({tp_size!r})",
+            replica=url,
+            route="/server_info",
+        )
+    pp_size = server_info.get("pp_size") or 1
+    return tp_size * pp_size

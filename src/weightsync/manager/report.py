@@ -1,0 +1,116 @@
+"""What one sync did: bytes, writes and seconds, per phase and per replica."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushSummary:
+    """What every trainer source rank wrote in one sync, added up.
+
+    Attributes:
+        bytes_written: bytes written to rollout memory, over all targets.
+        bytes_staged: bytes copied into staging memory, over all sources.
+        num_writes: transport writes after coalescing.
+        num_regions: destination regions before coalescing.
+        bytes_per_replica: bytes written into each replica (by replica URL).
+        seconds_per_source: wall time of each source rank's push (by source rank).
+    """
+
+    bytes_written: int
+    bytes_staged: int
+    num_writes: int
+    num_regions: int
+    bytes_per_replica: Mapping[str, int] = field(default_factory=dict)
+    seconds_per_source: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseTimes:
+    """Seconds spent in each phase of PROTOCOL.md's update order.
+
+    Attributes:
+        pause: pause generation, release the KV cache, begin the sessions.
+        metadata: fetch rollout metadata and build the plan (zero when cached).
+        push: every source rank's writes.
+        finalize: bump the weight version, end the sessions, run the bit-exact check.
+        resume: resume the KV cache, flush, continue generation.
+    """
+
+    pause: float
+    metadata: float
+    push: float
+    finalize: float
+    resume: float
+
+    @property
+    def total(self) -> float:
+        """Seconds from the first pause call to the last resume call."""
+        return self.pause + self.metadata + self.push + self.finalize + self.resume
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncReport:
+    """The outcome of one successful sync.
+
+    Attributes:
+        version: the weight version the replicas now serve.
+        replicas: the replicas updated, by URL.
+        phases: seconds per phase.
+        push: what the sources wrote.
+        metadata_refreshed: whether rollout metadata was fetched (first sync, or membership
+            changed) rather than taken from the cache.
+        bit_exact: the result of the bit-exact check, or None when it did not run.
+    """
+
+    version: str
+    replicas: tuple[str, ...]
+    phases: PhaseTimes
+    push: PushSummary
+    metadata_refreshed: bool
+    bit_exact: bool | None = None
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written into rollout memory by this sync."""
+        return self.push.bytes_written
+
+    @property
+    def seconds(self) -> float:
+        """Seconds from pause to resume."""
+        return self.phases.total
+
+    @property
+    def gbps(self) -> float:
+        """Bytes written per second of the push phase, in GB/s (10^9 bytes)."""
+        return self.push.bytes_written / self.phases.push / 1e9 if self.phases.push > 0 else 0.0
+
+    @property
+    def num_writes(self) -> int:
+        """Transport writes issued by this sync, after coalescing."""
+        return self.push.num_writes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary."""
+        return {
+            "version": self.version,
+            "replicas": list(self.replicas),
+            "bytes": self.bytes_written,
+            "seconds": self.seconds,
+            "gbps": self.gbps,
+            "num_writes": self.num_writes,
+            "num_regions": self.push.num_regions,
+            "metadata_refreshed": self.metadata_refreshed,
+            "bit_exact": self.bit_exact,
+            "phases": {
+                "pause": self.phases.pause,
+                "metadata": self.phases.metadata,
+                "push": self.phases.push,
+                "finalize": self.phases.finalize,
+                "resume": self.phases.resume,
+            },
+            "bytes_per_replica": dict(self.push.bytes_per_replica),
+        }
