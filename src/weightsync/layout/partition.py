@@ -1,0 +1,132 @@
+"""How a model's dimensions split over one rollout rank, by SGLang's rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.layout.config import ModelDims
+from weightsync.layout.parallelism import ParallelismConfig
+
+# SGLang pads the vocabulary of embed_tokens / lm_head to a multiple of this many rows.
+VOCAB_PADDING = 64
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Rows of the full (all-rank) embedding table SGLang allocates.
+
+    The vocabulary is padded to a multiple of 64; when that does not split evenly over
+    ``tp_size`` ranks it is padded to a multiple of ``64 * tp_size`` instead.
+    """
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % tp_size:
+        step = VOCAB_PADDING * tp_size
+        padded = -(-vocab_size // step) * step
+    return padded
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPartition:
+    """The slices of each model dimension that one rank holds (``(start, stop)`` ranges).
+
+    Attributes:
+        q_rows: rows of ``q_proj`` (this rank's query heads times ``head_dim``).
+        kv_rows: rows of ``k_proj`` / ``v_proj`` (this rank's kv heads, replicated when
+            ``tp_size > num_key_value_heads``).
+        intermediate: the dense MLP's intermediate slice (rows of gate/up, columns of down).
+        vocab_rows: the slice of the padded vocabulary this rank holds; rows at or past
+            ``vocab_size`` are padding.
+        experts: the global experts this rank holds (``ep_rank`` block).
+        moe_intermediate: each expert's intermediate slice (``moe_tp_rank`` block).
+    """
+
+    q_rows: tuple[int, int]
+    kv_rows: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab_rows: tuple[int, int]
+    experts: tuple[int, int]
+    moe_intermediate: tuple[int, int]
+
+
+def _block(size: int, parts: int, index: int) -> tuple[int, int]:
+    step = size // parts
+    return (index * step, (index + 1) * step)
+
+
+def _require_divisible(dims: ModelDims, field: str, value: int, by_name: str, by: int) -> None:
+    if value % by:
+        raise ValueError(
+            f"{dims.model_type} config: {field}={value} must be divisible by {by_name}={by}"
+        )
+
+
+def partition_rank(dims: ModelDims, parallelism: ParallelismConfig) -> RankPartition:
+    """The slices rank ``parallelism`` holds of a model with sizes ``dims``.
+
+    Raises:
+        ValueError: a size does not split over the ranks (the message names the config field
+            and the parallel size), or the parallelism uses a mode SGLang lays out differently
+            (pipeline or attention data parallelism).
+    """
+    if parallelism.pp_size != 1:
+        raise ValueError(
+            f"pp_size={parallelism.pp_size}: rollout pipeline parallelism is not supported; "
+            "use pp_size=1"
+        )
+    if parallelism.attn_tp_size != parallelism.tp_size:
+        raise ValueError(
+            f"attn_tp_size={parallelism.attn_tp_size} differs from tp_size="
+            f"{parallelism.tp_size}: attention data parallelism is not supported"
+        )
+    tp_size, tp_rank = parallelism.tp_size, parallelism.tp_rank
+    head_dim = dims.head_dim
+
+    _require_divisible(dims, "num_attention_heads", dims.num_attention_heads, "tp_size", tp_size)
+    num_local_heads = dims.num_attention_heads // tp_size
+    q_rows = (
+        tp_rank * num_local_heads * head_dim,
+        (tp_rank + 1) * num_local_heads * head_dim,
+    )
+
+    num_kv = dims.num_key_value_heads
+    if num_kv >= tp_size:
+        _require_divisible(dims, "num_key_value_heads", num_kv, "tp_size", tp_size)
+        num_local_kv = num_kv // tp_size
+        kv_start = tp_rank * num_local_kv
+    else:
+        if tp_size % num_kv:
+            raise ValueError(
+                f"{dims.model_type} config: num_key_value_heads={num_kv} must divide "
+                f"tp_size={tp_size} (or be divisible by it)"
+            )
+        # Each kv head is replicated on tp_size // num_kv consecutive ranks.
+        num_local_kv = 1
+        kv_start = tp_rank // (tp_size // num_kv)
+    kv_rows = (kv_start * head_dim, (kv_start + num_local_kv) * head_dim)
+
+    moe_layers = [dims.is_moe_layer(layer) for layer in range(dims.num_hidden_layers)]
+    # A size only has to split when some layer uses it.
+    intermediate = (0, 0)
+    if not all(moe_layers):
+        _require_divisible(dims, "intermediate_size", dims.intermediate_size, "tp_size", tp_size)
+        intermediate = _block(dims.intermediate_size, tp_size, tp_rank)
+
+    per_rank = padded_vocab_size(dims.vocab_size, tp_size) // tp_size
+    vocab_rows = (tp_rank * per_rank, (tp_rank + 1) * per_rank)
+
+    experts = moe_intermediate = (0, 0)
+    if any(moe_layers):
+        ep_size, moe_tp_size = parallelism.ep_size, parallelism.moe_tp_size
+        _require_divisible(dims, "num_experts", dims.num_experts, "ep_size", ep_size)
+        _require_divisible(
+            dims, "moe_intermediate_size", dims.moe_intermediate_size, "moe_tp_size", moe_tp_size
+        )
+        experts = _block(dims.num_experts, ep_size, parallelism.ep_rank)
+        moe_intermediate = _block(dims.moe_intermediate_size, moe_tp_size, parallelism.moe_tp_rank)
+    return RankPartition(
+        q_rows=q_rows,
+        kv_rows=kv_rows,
+        intermediate=intermediate,
+        vocab_rows=vocab_rows,
+        experts=experts,
+        moe_intermediate=moe_intermediate,
+    )
