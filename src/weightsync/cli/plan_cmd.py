@@ -1,0 +1,251 @@
+"""`weightsync plan`: plan a sync for a simulated cluster and show who writes what."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from weightsync.checkpoint import load_config_dict
+from weightsync.errors import LayoutMismatchError
+from weightsync.layout import dtype_name, normalize_hf_config, torch_dtype
+from weightsync.plan import SyncPlan, build_plan, simulate_sources, simulate_targets
+
+# Exit code for bad command-line input, as click uses for usage errors.
+_USAGE_ERROR = 2
+
+
+class _BadOption(Exception):
+    """A command-line value that cannot work; the message says which option and what to do."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+
+
+def plan(
+    model_config: Annotated[
+        str,
+        typer.Option(
+            "--model-config",
+            help="A config.json, a checkpoint folder holding one, or the name of a bundled "
+            "config (tiny-qwen3).",
+        ),
+    ],
+    rollout_tp: Annotated[int, typer.Option(help="Tensor-parallel size of each replica.")] = 1,
+    rollout_ep: Annotated[int, typer.Option(help="Expert-parallel size (divides the TP).")] = 1,
+    replicas: Annotated[int, typer.Option(help="Rollout replicas.")] = 1,
+    trainer_sources: Annotated[
+        int, typer.Option(help="Trainer source ranks (pipeline stages x data-parallel copies).")
+    ] = 1,
+    trainer_pp: Annotated[int, typer.Option(help="Trainer pipeline stages.")] = 1,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="Rollout dtype: bf16, fp16, fp32 or a full name; default the config's."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Plan a weight sync from trainer sources into rollout replicas, without moving bytes.
+
+    Simulates the cluster: `--replicas` replicas of `--rollout-tp` ranks, and
+    `--trainer-sources` trainer ranks split into `--trainer-pp` pipeline stages (source rank =
+    data-parallel index * pp + stage). Prints each target rank's parameters and bytes, each
+    source's share and the imbalance (max / mean bytes written per source).
+    """
+    try:
+        config = _read_config(model_config)
+        rollout_dtype = _check_options(
+            config, rollout_tp, rollout_ep, replicas, trainer_sources, trainer_pp, dtype
+        )
+        try:
+            targets = simulate_targets(
+                config, tp=rollout_tp, ep=rollout_ep, replicas=replicas, dtype=rollout_dtype
+            )
+        except ValueError as exc:
+            raise _BadOption("--rollout-tp/--rollout-ep", f"{exc}") from exc
+        try:
+            sources = simulate_sources(config, num_sources=trainer_sources, pp=trainer_pp)
+        except ValueError as exc:
+            raise _BadOption("--trainer-pp", f"{exc}") from exc
+    except _BadOption as exc:
+        _exit_with(f"error: {exc}", _USAGE_ERROR)
+    try:
+        sync_plan = build_plan(
+            hf_config=config, targets=targets, sources=sources, dtype=rollout_dtype
+        )
+    except LayoutMismatchError as exc:
+        _exit_with(f"error: the plan does not validate: {exc}", 1)
+    summary = {
+        "model_config": model_config,
+        "model_type": config["model_type"],
+        "rollout": {"tp": rollout_tp, "ep": rollout_ep, "replicas": replicas},
+        "trainer": {"sources": trainer_sources, "pp": trainer_pp},
+        **sync_plan.summary(),
+    }
+    for source in summary["sources"]:
+        source["stage"] = source["rank"] % trainer_pp
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        _print_tables(summary, sync_plan)
+
+
+def _exit_with(message: str, code: int) -> NoReturn:
+    # One line on stderr: shells and CI logs show it whole, with no traceback.
+    typer.echo(" ".join(message.split()), err=True)
+    raise typer.Exit(code)
+
+
+def _read_config(model_config: str) -> dict[str, Any]:
+    path = Path(model_config)
+    if not path.exists():
+        bundled = (
+            resources.files("weightsync") / "configs" / f"{model_config.removesuffix('.json')}.json"
+        )
+        if bundled.is_file():
+            return json.loads(bundled.read_text())
+        raise _BadOption(
+            "--model-config",
+            f"{model_config} does not exist; pass a config.json, a checkpoint folder or a "
+            f"bundled config ({', '.join(_bundled_names())})",
+        )
+    try:
+        return load_config_dict(path)
+    except ValueError as exc:
+        raise _BadOption("--model-config", f"{exc}") from exc
+
+
+def _bundled_names() -> list[str]:
+    folder = resources.files("weightsync") / "configs"
+    return sorted(
+        p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")
+    )
+
+
+def _check_options(
+    config: dict[str, Any],
+    tp: int,
+    ep: int,
+    replicas: int,
+    sources: int,
+    pp: int,
+    dtype: str | None,
+) -> str | None:
+    """Reject values that cannot work, naming the option; returns the canonical dtype name."""
+    for option, value in (
+        ("--rollout-tp", tp),
+        ("--rollout-ep", ep),
+        ("--replicas", replicas),
+        ("--trainer-sources", sources),
+        ("--trainer-pp", pp),
+    ):
+        if value < 1:
+            raise _BadOption(option, f"must be at least 1, got {value}")
+    if tp % ep:
+        raise _BadOption("--rollout-ep", f"{ep} must divide --rollout-tp {tp}")
+    if sources % pp:
+        raise _BadOption(
+            "--trainer-sources",
+            f"{sources} is not divisible by --trainer-pp {pp}; use a multiple of {pp} "
+            "(every pipeline stage has the same number of data-parallel copies)",
+        )
+    try:
+        dims = normalize_hf_config(config)
+    except ValueError as exc:
+        raise _BadOption("--model-config", f"{exc}") from exc
+    heads = dims["num_attention_heads"]
+    if heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise _BadOption(
+            "--rollout-tp",
+            f"{tp} does not divide the model's num_attention_heads={heads}; use one of "
+            f"{', '.join(map(str, divisors))}",
+        )
+    layers = dims["num_hidden_layers"]
+    if pp > layers:
+        raise _BadOption(
+            "--trainer-pp", f"{pp} stages exceed the model's {layers} layers; use at most {layers}"
+        )
+    if dtype is None:
+        return None
+    try:
+        name = dtype_name(torch_dtype(dtype))
+    except ValueError:
+        name = None
+    if name is None or not torch_dtype(name).is_floating_point:
+        raise _BadOption(
+            "--dtype", f"unknown dtype {dtype!r}; use bf16, fp16, fp32 or a full name (bfloat16)"
+        )
+    return name
+
+
+def _compact_targets(targets: list[dict[str, Any]]) -> str:
+    # "replica0:0-3, replica1:0-3" rather than one entry per rank.
+    ranks: dict[str, list[int]] = {}
+    for target in targets:
+        ranks.setdefault(target["replica"], []).append(target["rank"])
+    parts = []
+    for replica, values in ranks.items():
+        values = sorted(set(values))
+        runs: list[list[int]] = []
+        for value in values:
+            if runs and value == runs[-1][1] + 1:
+                runs[-1][1] = value
+            else:
+                runs.append([value, value])
+        text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        parts.append(f"{replica}:{text}")
+    return ", ".join(parts) or "-"
+
+
+def _human_bytes(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def _print_tables(summary: dict[str, Any], sync_plan: SyncPlan) -> None:
+    console = Console()
+    targets = Table(title="Rollout target ranks")
+    for column in ("replica", "rank", "session", "layout", "params", "bytes"):
+        targets.add_column(column, justify="right" if column in ("params", "bytes") else "left")
+    for target in summary["targets"]:
+        targets.add_row(
+            target["replica"],
+            str(target["rank"]),
+            target["session_id"],
+            str(target["layout_id"]),
+            str(target["num_params"]),
+            _human_bytes(target["bytes"]),
+        )
+    sources = Table(title="Trainer sources")
+    for column in ("rank", "stage", "tensors", "items", "staged", "written", "targets"):
+        sources.add_column(column, justify="left" if column == "targets" else "right")
+    for source in summary["sources"]:
+        sources.add_row(
+            str(source["rank"]),
+            str(source["stage"]),
+            str(source["num_tensors"]),
+            str(source["num_items"]),
+            _human_bytes(source["bytes_staged"]),
+            _human_bytes(source["bytes"]),
+            _compact_targets(source["targets"]),
+        )
+    console.print(targets)
+    console.print(sources)
+    console.print(
+        f"dtype {summary['dtype']}, {summary['num_layout_groups']} distinct layout(s), "
+        f"{summary['num_copy_items']} copy items, ~{summary['num_write_regions']} writes"
+    )
+    console.print(f"written in total: {_human_bytes(sync_plan.num_bytes_written)}")
+    console.print(f"imbalance (max / mean bytes written per source): {summary['imbalance']:.3f}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `plan` command to `app`."""
+    app.command("plan")(plan)

@@ -1,0 +1,284 @@
+"""`build_plan`: from the rollout's targets and the trainer's holdings to a checked copy plan.
+
+Steps, each a function below:
+
+1. group the targets by layout key; one `rank_layout` call per group;
+2. turn every parameter segment into a `CopyItem` and file it under its work unit
+   ``(hf_name, layout_id)`` (padding goes with the parameter's first data tensor);
+3. validate targets and sources (all problems collected, one `LayoutMismatchError`);
+4. assign every unit to one source that holds its tensor, largest units first, each to the
+   holder that has written the fewest bytes so far (ties to the lowest rank);
+5. assemble one `SourcePlan` per source and check that the items cover every destination
+   byte exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.layout import hf_tensor_shapes, rank_layout
+from weightsync.layout.types import ParamLayout
+from weightsync.plan.items import CopyItem, LayoutGroup, SourcePlan, StageWork
+from weightsync.plan.merge import merge_items
+from weightsync.plan.sync_plan import SyncPlan
+from weightsync.plan.types import SourceHolding, TargetRank
+from weightsync.plan.validate import (
+    check_coverage,
+    check_source_shapes,
+    check_targets,
+    describe_holdings,
+    raise_if_problems,
+)
+
+UnitKey = tuple[str, int]
+
+
+def build_plan(
+    *,
+    hf_config: Any,
+    targets: Sequence[TargetRank],
+    sources: Sequence[SourceHolding],
+    dtype: Any = None,
+) -> SyncPlan:
+    """Plan which trainer source writes which bytes of which rollout rank, and check it.
+
+    Args:
+        hf_config: the model's transformers config or config.json dict.
+        targets: every rollout rank to write (any number of replicas).
+        sources: every trainer source rank and the HF tensors it can produce.
+        dtype: the rollout dtype (torch dtype or name); default the config's dtype.
+
+    Returns:
+        The validated plan; ``plan.for_source(rank)`` is what source `rank` executes.
+
+    Raises:
+        ValueError: no targets or sources, a duplicated target or source rank, or a config
+            the layout rules reject.
+        LayoutMismatchError: a target published a parameter table that differs from its
+            layout (missing, unexpected, wrong numel or element size), a source holds a
+            tensor with the wrong shape, or a tensor the layout needs is held by no source.
+    """
+    _check_unique(targets, sources)
+    groups = _group_targets(hf_config, targets, dtype)
+    hf_shapes = hf_tensor_shapes(hf_config)
+    units, users = _work_units(groups, hf_shapes)
+
+    holders: dict[str, list[int]] = defaultdict(list)
+    for source in sorted(sources, key=lambda s: s.rank):
+        for name in source.tensors:
+            holders[name].append(source.rank)
+    problems = check_targets(groups)
+    problems += check_source_shapes(sources, hf_shapes, users)
+    problems += _check_held(units, holders, users, sources, hf_shapes)
+    raise_if_problems(problems)
+
+    num_targets = {group.layout_id: len(group.targets) for group in groups}
+    assignments = _assign(units, holders, num_targets)
+    source_plans = _source_plans(groups, units, assignments, sources)
+    # Checked on the assembled per-source plans, so that assignment bugs show up too.
+    written: dict[int, dict[str, list[CopyItem]]] = defaultdict(lambda: defaultdict(list))
+    for plan in source_plans.values():
+        for works in plan.work.values():
+            for work in works:
+                for item in work.items:
+                    written[work.layout_id][item.param_name].append(item)
+    for group in groups:
+        raise_if_problems(check_coverage(group, written[group.layout_id], hf_shapes))
+    return SyncPlan(
+        dtype=_resolved_dtype(groups),
+        targets=tuple(targets),
+        groups=groups,
+        assignments=assignments,
+        source_plans=source_plans,
+        num_write_regions=sum(_num_write_regions(sp) for sp in source_plans.values()),
+    )
+
+
+def _check_unique(targets: Sequence[TargetRank], sources: Sequence[SourceHolding]) -> None:
+    if not targets:
+        raise ValueError("build_plan needs at least one target rank")
+    if not sources:
+        raise ValueError("build_plan needs at least one trainer source")
+    seen: set[tuple[str, int]] = set()
+    for target in targets:
+        if (target.replica, target.rank) in seen:
+            raise ValueError(f"target replica {target.replica} rank {target.rank} given twice")
+        seen.add((target.replica, target.rank))
+    ranks = [source.rank for source in sources]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"source ranks must be unique, got {ranks}")
+
+
+def _group_targets(
+    hf_config: Any, targets: Sequence[TargetRank], dtype: Any
+) -> tuple[LayoutGroup, ...]:
+    by_key: dict[tuple[int, ...], list[TargetRank]] = defaultdict(list)
+    for target in targets:
+        by_key[target.parallelism.layout_key()].append(target)
+    groups = []
+    for layout_id, key in enumerate(sorted(by_key)):
+        members = tuple(by_key[key])
+        params = rank_layout(hf_config, members[0].parallelism, dtype)
+        groups.append(
+            LayoutGroup(
+                layout_id=layout_id, layout_key=key, params=tuple(params.values()), targets=members
+            )
+        )
+    return tuple(groups)
+
+
+def _resolved_dtype(groups: Sequence[LayoutGroup]) -> str:
+    dtypes = {param.dtype for group in groups for param in group.params}
+    if len(dtypes) != 1:
+        raise ValueError(f"the layout must have one parameter dtype, got {sorted(dtypes)}")
+    return dtypes.pop()
+
+
+def _owners(params: Sequence[ParamLayout], hf_shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The HF tensor whose work unit carries each parameter's padding.
+
+    A parameter's padding goes with its first data segment's tensor. A parameter that is all
+    padding (a vocabulary shard past the real rows) goes with the HF tensor of the same name
+    if there is one, else with its nearest neighbour's tensor, so one source writes it.
+    """
+    firsts: list[str | None] = []
+    for param in params:
+        first = next((s.hf_name for s in param.segments if s.hf_name is not None), None)
+        firsts.append(param.name if first is None and param.name in hf_shapes else first)
+    known = [i for i, first in enumerate(firsts) if first is not None]
+    if not known:
+        raise ValueError("the layout has no parameter that reads checkpoint data")
+    owners: list[str] = []
+    for i, first in enumerate(firsts):
+        nearest = firsts[min(known, key=lambda k: (abs(k - i), k))]
+        owners.append(first if first is not None else nearest)  # type: ignore[arg-type]
+    return owners
+
+
+def _work_units(
+    groups: Sequence[LayoutGroup], hf_shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[UnitKey, tuple[CopyItem, ...]], dict[str, str]]:
+    """Every unit's merged items, and for each HF tensor one parameter that reads it."""
+    units: dict[UnitKey, list[tuple[int, CopyItem]]] = {}
+    users: dict[str, str] = {}
+    padding_users: dict[str, str] = {}
+    for group in groups:
+        where = group.targets[0].label
+        for index, (param, owner) in enumerate(
+            zip(group.params, _owners(group.params, hf_shapes), strict=True)
+        ):
+            element_size = param.element_size
+            for segment in param.segments:
+                if segment.numel == 0:
+                    continue
+                unit = segment.hf_name if segment.hf_name is not None else owner
+                item = CopyItem(
+                    hf_name=segment.hf_name,
+                    src_box=segment.src_box,
+                    param_name=param.name,
+                    dst_offset_bytes=segment.dst_offset * element_size,
+                    num_bytes=segment.numel * element_size,
+                )
+                units.setdefault((unit, group.layout_id), []).append((index, item))
+                user = f"parameter {param.name!r} of {where}"
+                if segment.hf_name is not None:
+                    users.setdefault(unit, user)
+                else:
+                    padding_users.setdefault(unit, f"the padding of {user}")
+    merged = {
+        key: merge_items(
+            [item for _, item in sorted(entries, key=lambda e: (e[0], e[1].dst_offset_bytes))]
+        )
+        for key, entries in units.items()
+    }
+    return merged, padding_users | users
+
+
+def _check_held(
+    units: dict[UnitKey, tuple[CopyItem, ...]],
+    holders: dict[str, list[int]],
+    users: dict[str, str],
+    sources: Sequence[SourceHolding],
+    hf_shapes: dict[str, tuple[int, ...]],
+) -> list[str]:
+    missing = sorted({hf_name for hf_name, _ in units if not holders.get(hf_name)})
+    if not missing:
+        return []
+    held = describe_holdings(sources, hf_shapes)
+    return [
+        f"no trainer source holds HF tensor {name!r}, needed by "
+        f"{users[name]}: expected a source holding it with shape "
+        f"{hf_shapes.get(name)}, actual: the sources hold {held}"
+        for name in missing
+    ]
+
+
+def _assign(
+    units: dict[UnitKey, tuple[CopyItem, ...]],
+    holders: dict[str, list[int]],
+    num_targets: dict[int, int],
+) -> dict[UnitKey, int]:
+    """Greedy largest-first: balances bytes written per source within each holder set."""
+    written = {
+        key: sum(item.num_bytes for item in items) * num_targets[key[1]]
+        for key, items in units.items()
+    }
+    order = sorted(enumerate(units), key=lambda e: (-written[e[1]], e[1][1], e[0]))
+    load: dict[int, int] = defaultdict(int)
+    assignments: dict[UnitKey, int] = {}
+    for _, key in order:
+        rank = min(holders[key[0]], key=lambda r: (load[r], r))
+        load[rank] += written[key]
+        assignments[key] = rank
+    return {key: assignments[key] for key in units}
+
+
+def _source_plans(
+    groups: Sequence[LayoutGroup],
+    units: dict[UnitKey, tuple[CopyItem, ...]],
+    assignments: dict[UnitKey, int],
+    sources: Sequence[SourceHolding],
+) -> dict[int, SourcePlan]:
+    by_source: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for (hf_name, layout_id), rank in assignments.items():
+        by_source[rank][hf_name].append(layout_id)
+    plan_dtype = _resolved_dtype(groups)
+    plans: dict[int, SourcePlan] = {}
+    for source in sorted(sources, key=lambda s: s.rank):
+        mine = by_source.get(source.rank, {})
+        work = {
+            hf_name: tuple(
+                StageWork(layout_id=layout_id, items=units[(hf_name, layout_id)])
+                for layout_id in sorted(mine[hf_name])
+            )
+            for hf_name in source.tensors
+            if hf_name in mine
+        }
+        layout_ids = sorted({layout_id for ids in mine.values() for layout_id in ids})
+        plans[source.rank] = SourcePlan(
+            rank=source.rank,
+            dtype=plan_dtype,
+            work=work,
+            targets={layout_id: groups[layout_id].targets for layout_id in layout_ids},
+        )
+    return plans
+
+
+def _num_write_regions(plan: SourcePlan) -> int:
+    """Writes of one source if each layout's items are staged back to back in work order."""
+    items_by_layout: dict[int, list[CopyItem]] = defaultdict(list)
+    for works in plan.work.values():
+        for work in works:
+            items_by_layout[work.layout_id].extend(work.items)
+    count = 0
+    for layout_id, items in items_by_layout.items():
+        for target in plan.targets[layout_id]:
+            end = None
+            for item in items:
+                start = target.weights_info[item.param_name][0] + item.dst_offset_bytes
+                if start != end:
+                    count += 1
+                end = start + item.num_bytes
+    return count

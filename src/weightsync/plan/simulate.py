@@ -1,0 +1,130 @@
+"""A simulated cluster: fake but consistent rollout targets and trainer holdings.
+
+`weightsync plan` and the tests plan syncs for clusters that do not exist; these functions
+produce the inputs such a cluster would give `build_plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightsync.layout import hf_tensor_shapes, layer_index, model_dtype, rank_layout
+from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.plan.types import SourceHolding, TargetRank, TensorMeta
+
+EMBED_TOKENS = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+
+# Each simulated rank gets its own 1 TiB window of fake addresses.
+_ADDRESS_WINDOW = 1 << 40
+
+
+def simulate_targets(
+    hf_config: Any, *, tp: int, ep: int = 1, replicas: int = 1, dtype: Any = None
+) -> list[TargetRank]:
+    """Rollout ranks of `replicas` replicas of `tp` ranks each, as they would publish themselves.
+
+    Replica ``r`` is named ``"replica{r}"``; its rank ``k`` has session id
+    ``"replica{r}-rank{k}:0"`` and lays its parameters out back to back, in the engine's order,
+    from address ``(1 + r * tp + k) * 2**40``.
+
+    Args:
+        hf_config: the model's transformers config or config.json dict.
+        tp: tensor-parallel size of each replica.
+        ep: expert-parallel size (divides `tp`).
+        replicas: number of replicas.
+        dtype: the rollout dtype; default the config's.
+
+    Returns:
+        ``replicas * tp`` targets, replica by replica, rank by rank.
+
+    Raises:
+        ValueError: a size below 1, or a parallelism the model's dims do not split over.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    targets = []
+    for replica in range(replicas):
+        for rank in range(tp):
+            parallelism = ParallelismConfig(tp_size=tp, tp_rank=rank, ep_size=ep)
+            address = (1 + replica * tp + rank) * _ADDRESS_WINDOW
+            weights_info: dict[str, tuple[int, int, int]] = {}
+            for name, param in rank_layout(hf_config, parallelism, dtype).items():
+                weights_info[name] = (address, param.numel, param.element_size)
+                address += param.num_bytes
+            targets.append(
+                TargetRank(
+                    replica=f"replica{replica}",
+                    rank=rank,
+                    session_id=f"replica{replica}-rank{rank}:0",
+                    parallelism=parallelism,
+                    weights_info=weights_info,
+                )
+            )
+    return targets
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """The decoder layers of each of `pp` pipeline stages: contiguous, sizes differing by <= 1.
+
+    Raises:
+        ValueError: fewer layers than stages.
+    """
+    if pp < 1 or num_layers < pp:
+        raise ValueError(f"pp={pp} stages need 1 <= pp <= num_layers={num_layers}")
+    return [range(s * num_layers // pp, (s + 1) * num_layers // pp) for s in range(pp)]
+
+
+def simulate_sources(hf_config: Any, *, num_sources: int, pp: int = 1) -> list[SourceHolding]:
+    """Trainer source ranks: `pp` pipeline stages times ``num_sources // pp`` data-parallel copies.
+
+    Stage ``s`` holds its contiguous slice of the decoder layers (`stage_layers`); stage 0
+    also holds ``model.embed_tokens.weight``; the last stage holds ``model.norm.weight`` and
+    ``lm_head.weight`` (with tied embeddings, ``model.embed_tokens.weight`` instead, as the
+    output layer needs it). Source rank ``dp_index * pp + stage``; every copy of a stage holds
+    the same tensors, in checkpoint order, in the config's dtype.
+
+    Args:
+        hf_config: the model's transformers config or config.json dict.
+        num_sources: number of trainer source ranks; a multiple of `pp`.
+        pp: number of pipeline stages.
+
+    Returns:
+        The holdings, sorted by rank.
+
+    Raises:
+        ValueError: `num_sources` not a positive multiple of `pp`, or more stages than layers.
+    """
+    if pp < 1 or num_sources < 1 or num_sources % pp:
+        raise ValueError(
+            f"num_sources={num_sources} must be a positive multiple of pp={pp} "
+            "(each pipeline stage has the same number of data-parallel copies)"
+        )
+    shapes = hf_tensor_shapes(hf_config)
+    dtype = model_dtype(hf_config)
+    layers = [index for name in shapes if (index := layer_index(name)) is not None]
+    stages = stage_layers(max(layers) + 1, pp)
+    stage_of_layer = {layer: s for s, block in enumerate(stages) for layer in block}
+    tied = LM_HEAD not in shapes
+
+    def stages_of(name: str) -> set[int]:
+        index = layer_index(name)
+        if index is not None:
+            return {stage_of_layer[index]}
+        if name == EMBED_TOKENS:
+            return {0, pp - 1} if tied else {0}
+        return {pp - 1}
+
+    holdings = {
+        stage: {
+            name: TensorMeta(shape=shape, dtype=dtype)
+            for name, shape in shapes.items()
+            if stage in stages_of(name)
+        }
+        for stage in range(pp)
+    }
+    return [
+        SourceHolding(rank=dp_index * pp + stage, tensors=holdings[stage])
+        for dp_index in range(num_sources // pp)
+        for stage in range(pp)
+    ]

@@ -1,0 +1,228 @@
+"""Checks a plan's inputs and result; each problem is a sentence naming what, where and sizes.
+
+The checks collect every problem they find, so one `LayoutMismatchError` reports all of them
+(a wrong tensor-parallel size shows up as every parameter disagreeing, not as the first one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from weightsync.errors import LayoutMismatchError
+from weightsync.layout import layer_index
+from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.layout.types import ParamLayout
+from weightsync.plan.items import CopyItem, LayoutGroup
+from weightsync.plan.types import SourceHolding, TargetRank
+
+# How many problems one error message lists before it only counts the rest.
+_MAX_LISTED = 8
+
+
+def raise_if_problems(problems: Sequence[str]) -> None:
+    """Raise one `LayoutMismatchError` listing `problems`, if there are any.
+
+    Raises:
+        LayoutMismatchError: `problems` is not empty.
+    """
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise LayoutMismatchError(problems[0])
+    listed = "\n".join(f"  - {p}" for p in problems[:_MAX_LISTED])
+    more = len(problems) - _MAX_LISTED
+    tail = f"\n  ... and {more} more" if more > 0 else ""
+    raise LayoutMismatchError(f"{len(problems)} layout mismatches:\n{listed}{tail}")
+
+
+def _where(target: TargetRank) -> str:
+    p: ParallelismConfig = target.parallelism
+    return f"{target.label} [tp {p.tp_rank}/{p.tp_size}, ep {p.ep_rank}/{p.ep_size}]"
+
+
+def _describe(param: ParamLayout) -> str:
+    return (
+        f"shape {param.shape}, numel {param.numel}, element size {param.element_size} "
+        f"({param.dtype})"
+    )
+
+
+def check_targets(groups: Iterable[LayoutGroup]) -> list[str]:
+    """Compare every target's published ``weights_info`` with its layout.
+
+    Returns:
+        One sentence per missing, unexpected or mis-sized parameter.
+    """
+    problems: list[str] = []
+    for group in groups:
+        expected = {param.name: param for param in group.params}
+        for target in group.targets:
+            info = target.weights_info
+            wrong_size: list[tuple[ParamLayout, int]] = []
+            for param in group.params:
+                if param.name not in info:
+                    problems.append(
+                        f"{_where(target)}: parameter {param.name!r} is missing from "
+                        f"weights_info: expected {_describe(param)}, actual: not published "
+                        f"(the rank published {len(info)} parameters)"
+                    )
+                    continue
+                _, numel, element_size = info[param.name]
+                if numel != param.numel:
+                    problems.append(
+                        f"{_where(target)}: parameter {param.name!r} has the wrong number of "
+                        f"elements: expected {param.numel} (shape {param.shape}), actual "
+                        f"{numel}; does the rollout's model config or parallelism differ?"
+                    )
+                if element_size != param.element_size:
+                    wrong_size.append((param, element_size))
+            problems += _element_size_problems(target, wrong_size, len(group.params))
+            for name, (_, numel, element_size) in info.items():
+                if name not in expected:
+                    problems.append(
+                        f"{_where(target)}: published parameter {name!r} is unexpected: "
+                        f"expected no such parameter in this layout ({len(expected)} "
+                        f"parameters), actual numel {numel}, element size {element_size}"
+                    )
+    return problems
+
+
+def _element_size_problems(
+    target: TargetRank, wrong: Sequence[tuple[ParamLayout, int]], num_params: int
+) -> list[str]:
+    # A rollout running another dtype makes every parameter disagree: say so once.
+    if len(wrong) > 1 and len(wrong) == num_params and len({size for _, size in wrong}) == 1:
+        param, size = wrong[0]
+        return [
+            f"{_where(target)}: parameter {param.name!r} and all {num_params - 1} others have "
+            f"the wrong element size: expected {param.element_size} bytes ({param.dtype}), "
+            f"actual {size} bytes; the rollout runs another dtype: plan with its dtype"
+        ]
+    return [
+        f"{_where(target)}: parameter {param.name!r} has the wrong element size: expected "
+        f"{param.element_size} bytes ({param.dtype}), actual {size} bytes; plan with the "
+        "rollout's dtype"
+        for param, size in wrong
+    ]
+
+
+def check_source_shapes(
+    sources: Iterable[SourceHolding],
+    hf_shapes: Mapping[str, tuple[int, ...]],
+    users: Mapping[str, str],
+) -> list[str]:
+    """Compare the shape of every HF tensor a source holds with the model config's.
+
+    Args:
+        sources: the trainer's holdings.
+        hf_shapes: the checkpoint's tensor shapes from the model config.
+        users: ``{hf_name: description of a rollout parameter built from it}``.
+
+    Returns:
+        One sentence per wrongly shaped tensor.
+    """
+    problems: list[str] = []
+    for source in sources:
+        for name, meta in source.tensors.items():
+            expected = hf_shapes.get(name)
+            if expected is not None and tuple(meta.shape) != tuple(expected):
+                used = f" (used by {users[name]})" if name in users else ""
+                problems.append(
+                    f"source rank {source.rank}: HF tensor {name!r}{used} has the wrong shape: "
+                    f"expected {tuple(expected)} from the model config, actual "
+                    f"{tuple(meta.shape)}"
+                )
+    return problems
+
+
+def describe_holdings(
+    sources: Iterable[SourceHolding], hf_shapes: Mapping[str, tuple[int, ...]]
+) -> str:
+    """What the sources hold, compactly: layer ranges, other tensors, unknown names."""
+    layers: set[int] = set()
+    others: set[str] = set()
+    unknown: set[str] = set()
+    for source in sources:
+        for name in source.tensors:
+            if name not in hf_shapes:
+                unknown.add(name)
+            elif (index := layer_index(name)) is not None:
+                layers.add(index)
+            else:
+                others.add(name)
+    parts = []
+    if layers:
+        parts.append(f"layers {_ranges(sorted(layers))}")
+    if others:
+        parts.append(", ".join(sorted(others)))
+    if unknown:
+        example = sorted(unknown)[0]
+        parts.append(f"{len(unknown)} tensors the model does not have (e.g. {example!r})")
+    return "; ".join(parts) if parts else "nothing"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def check_coverage(
+    group: LayoutGroup,
+    items_by_param: Mapping[str, Sequence[CopyItem]],
+    hf_shapes: Mapping[str, tuple[int, ...]],
+) -> list[str]:
+    """Check that a layout's items cover every byte of every parameter exactly once.
+
+    Also checks that each item's box lies inside its HF tensor and has as many elements as
+    the item has bytes. These hold by construction; a failure is a bug in the layout rules
+    or the planner, reported like any other mismatch.
+
+    Returns:
+        One sentence per parameter that is not covered exactly once, or per bad item.
+    """
+    problems: list[str] = []
+    where = f"layout {group.layout_id} ({group.targets[0].label} and others like it)"
+    params = {param.name: param for param in group.params}
+    for name in items_by_param:
+        if name not in params:
+            problems.append(f"{where}: copy items write {name!r}, which the layout lacks")
+    for param in group.params:
+        items = sorted(items_by_param.get(param.name, ()), key=lambda i: i.dst_offset_bytes)
+        position = 0
+        for item in items:
+            if item.dst_offset_bytes != position:
+                kind = "an overlap" if item.dst_offset_bytes < position else "a gap"
+                problems.append(
+                    f"{where}: parameter {param.name!r} has {kind} at byte {position}: "
+                    f"expected the next item there, actual item at {item.dst_offset_bytes}"
+                )
+            position = max(position, item.dst_offset_bytes + item.num_bytes)
+            if item.hf_name is None:
+                continue
+            shape = hf_shapes.get(item.hf_name)
+            in_bounds = shape is not None and len(shape) == len(item.src_box)
+            in_bounds = in_bounds and all(
+                stop <= dim for (_, stop), dim in zip(item.src_box, shape, strict=True)
+            )
+            if not in_bounds:
+                problems.append(
+                    f"{where}: parameter {param.name!r} reads box {item.src_box} of "
+                    f"{item.hf_name!r}, outside its shape {shape}"
+                )
+            if item.src_numel * param.element_size != item.num_bytes:
+                problems.append(
+                    f"{where}: parameter {param.name!r} item at byte {item.dst_offset_bytes}: "
+                    f"expected {item.src_numel * param.element_size} bytes from its box, "
+                    f"actual {item.num_bytes}"
+                )
+        if position != param.num_bytes:
+            problems.append(
+                f"{where}: parameter {param.name!r} items cover {position} bytes: expected "
+                f"{param.num_bytes} ({_describe(param)}), actual {position}"
+            )
+    return problems
