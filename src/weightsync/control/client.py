@@ -1,0 +1,256 @@
+"""`RolloutClient`: one method per route of a rollout replica's main HTTP server."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.control.base import AsyncHttpClient
+from weightsync.control.models import (
+    AbortRequestRequest,
+    BeginWeightUpdateRequest,
+    CheckerAction,
+    ContinueGenerationRequest,
+    EndWeightUpdateRequest,
+    GenerateRequest,
+    GenerateResponse,
+    MemoryOccupationRequest,
+    ParallelismConfigModel,
+    PauseGenerationRequest,
+    PauseMode,
+    SamplingParams,
+    Selector,
+    StatusResponse,
+    SuccessResponse,
+    TransferEngineInfoResponse,
+    UpdateWeightVersionRequest,
+    UpdateWeightVersionResponse,
+    WeightsCheckerRequest,
+    WeightsInfo,
+    WeightVersionResponse,
+)
+from weightsync.errors import RemoteReplicaError
+from weightsync.layout.parallelism import ParallelismConfig
+
+
+class RolloutClient(AsyncHttpClient):
+    """Async client of one rollout replica's main server (SGLang or `weightsync serve`).
+
+    Every method sends one request. A reply that is not a 2xx, or a ``{"success": false}``
+    body, raises `RemoteReplicaError` naming the replica URL, the route, the HTTP status and
+    the server's message; a replica that cannot be reached raises it with ``status_code=None``.
+    Each method takes ``timeout_s`` to override the client's default for that call.
+
+    Use it as an async context manager, or call `aclose` when done::
+
+        async with RolloutClient("http://127.0.0.1:30000", api_key=key) as client:
+            await client.pause_generation(mode="abort")
+
+    Args:
+        base_url: the replica's main server, e.g. ``http://127.0.0.1:30000``.
+        api_key: sent as ``Authorization: Bearer <api_key>`` (needed by state-changing routes
+            of a server started with ``--api-key``).
+        timeout_s: default timeout of each call in seconds.
+    """
+
+    async def health(self, *, timeout_s: float | None = None) -> None:
+        """``GET /health``: return when the replica serves.
+
+        Raises:
+            RemoteReplicaError: not reachable, or not serving (a non-2xx status).
+        """
+        await self._call("GET", "/health", timeout_s=timeout_s)
+
+    async def get_server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``GET /server_info``: the server's arguments (``tp_size``, ``dtype``, ports, ...)
+        and ``version``, as the server sent them."""
+        route = "/server_info"
+        response = await self._call("GET", route, timeout_s=timeout_s)
+        data = self._json(response, route=route)
+        if not isinstance(data, dict):
+            raise RemoteReplicaError(
+                f"replica {self.base_url}: {route} answered with a {type(data).__name__}, "
+                "not an object",
+                replica=self.base_url,
+                route=route,
+                status_code=response.status_code,
+            )
+        return data
+
+    async def get_transfer_engine_info(
+        self, rank: int, *, timeout_s: float | None = None
+    ) -> tuple[str, WeightsInfo]:
+        """``GET /remote_instance_transfer_engine_info?rank=N``.
+
+        Returns:
+            ``(session_id, {param_name: (data_ptr, numel, element_size)})`` of rank `rank`.
+        """
+        route = "/remote_instance_transfer_engine_info"
+        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
+        info = self._parse(response, TransferEngineInfoResponse, route=route)
+        return info.remote_instance_transfer_engine_info
+
+    async def get_parallelism_config(
+        self, rank: int, *, timeout_s: float | None = None
+    ) -> ParallelismConfig:
+        """``GET /parallelism_config?rank=N``: where rank `rank` sits in the replica."""
+        route = "/parallelism_config"
+        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
+        model = self._parse(response, ParallelismConfigModel, route=route)
+        try:
+            return ParallelismConfig.from_dict(model.model_dump())
+        except ValueError as exc:
+            raise RemoteReplicaError(
+                f"replica {self.base_url}: {route} rank {rank} published an invalid "
+                f"parallelism config: {exc}",
+                replica=self.base_url,
+                route=route,
+                status_code=response.status_code,
+            ) from exc
+
+    async def pause_generation(
+        self, mode: PauseMode = "abort", *, timeout_s: float | None = None
+    ) -> StatusResponse:
+        """``POST /pause_generation``: stop starting requests (``abort`` also drops the queued
+        ones); returns when no request runs."""
+        route = "/pause_generation"
+        body = PauseGenerationRequest(mode=mode)
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        return self._parse(response, StatusResponse, route=route)
+
+    async def continue_generation(
+        self, torch_empty_cache: bool = False, *, timeout_s: float | None = None
+    ) -> StatusResponse:
+        """``POST /continue_generation``: serve requests again."""
+        route = "/continue_generation"
+        body = ContinueGenerationRequest(torch_empty_cache=torch_empty_cache)
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        return self._parse(response, StatusResponse, route=route)
+
+    async def abort_request(
+        self, rid: str = "", abort_all: bool | None = None, *, timeout_s: float | None = None
+    ) -> None:
+        """``POST /abort_request``: abort request `rid`, or every request (the default when
+        no `rid` is given)."""
+        body = AbortRequestRequest(rid=rid, abort_all=not rid if abort_all is None else abort_all)
+        await self._call("POST", "/abort_request", body=body, timeout_s=timeout_s)
+
+    async def release_memory_occupation(
+        self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None
+    ) -> None:
+        """``POST /release_memory_occupation``: free e.g. the KV cache (``tags=None``: all).
+        The replica refuses unless it is idle."""
+        body = MemoryOccupationRequest(tags=list(tags) if tags is not None else None)
+        await self._call("POST", "/release_memory_occupation", body=body, timeout_s=timeout_s)
+
+    async def resume_memory_occupation(
+        self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None
+    ) -> None:
+        """``POST /resume_memory_occupation``: take back what was released."""
+        body = MemoryOccupationRequest(tags=list(tags) if tags is not None else None)
+        await self._call("POST", "/resume_memory_occupation", body=body, timeout_s=timeout_s)
+
+    async def flush_cache(self, *, timeout_s: float | None = None) -> None:
+        """``POST /flush_cache``: drop cached prefixes computed with the old weights."""
+        await self._call("POST", "/flush_cache", timeout_s=timeout_s)
+
+    async def begin_weight_update(
+        self, selector: Selector = "target", *, timeout_s: float | None = None
+    ) -> SuccessResponse:
+        """``POST /begin_weight_update``: open a weight-update session (no generation runs
+        until `end_weight_update`)."""
+        body = BeginWeightUpdateRequest(selector=selector)
+        return await self._success("/begin_weight_update", body, timeout_s)
+
+    async def end_weight_update(self, *, timeout_s: float | None = None) -> SuccessResponse:
+        """``POST /end_weight_update``: close the session after the bytes arrived."""
+        return await self._success("/end_weight_update", EndWeightUpdateRequest(), timeout_s)
+
+    async def update_weight_version(
+        self,
+        new_version: str,
+        abort_all_requests: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> UpdateWeightVersionResponse:
+        """``POST /update_weight_version``: label the weights the replica now holds."""
+        route = "/update_weight_version"
+        body = UpdateWeightVersionRequest(
+            new_version=new_version, abort_all_requests=abort_all_requests
+        )
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        reply = self._parse(response, UpdateWeightVersionResponse, route=route)
+        self._check_success(reply, route=route, status_code=response.status_code)
+        return reply
+
+    async def get_weight_version(self, *, timeout_s: float | None = None) -> str | None:
+        """``GET /get_weight_version``: the label of the weights the replica serves."""
+        route = "/get_weight_version"
+        response = await self._call("GET", route, timeout_s=timeout_s)
+        return self._parse(response, WeightVersionResponse, route=route).weight_version
+
+    async def weights_checker(
+        self,
+        action: CheckerAction,
+        *,
+        allow_quant_error: bool = False,
+        selector: Selector = "target",
+        skip_tensor_list: Sequence[str] = (),
+        timeout_s: float | None = None,
+    ) -> SuccessResponse:
+        """``POST /weights_checker``: ``snapshot``, ``reset_tensors``, ``compare`` or
+        ``checksum`` the replica's weights.
+
+        Raises:
+            RemoteReplicaError: the action failed; for ``compare``, the message lists each
+                parameter that differs from the snapshot.
+        """
+        body = WeightsCheckerRequest(
+            action=action,
+            allow_quant_error=allow_quant_error,
+            selector=selector,
+            skip_tensor_list=list(skip_tensor_list),
+        )
+        return await self._success("/weights_checker", body, timeout_s)
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        sampling_seed: int | None = None,
+        rid: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerateResponse:
+        """``POST /generate``: token ids in, token ids out (the reference server's form).
+
+        Returns:
+            ``output_ids`` (new tokens only) and ``meta_info`` with the ``weight_version``
+            that produced them.
+        """
+        route = "/generate"
+        body = GenerateRequest(
+            input_ids=list(input_ids),
+            sampling_params=SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=temperature, sampling_seed=sampling_seed
+            ),
+            rid=rid,
+        )
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        return self._parse(response, GenerateResponse, route=route)
+
+    async def _success(self, route: str, body: Any, timeout_s: float | None) -> SuccessResponse:
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        reply = self._parse(response, SuccessResponse, route=route)
+        self._check_success(reply, route=route, status_code=response.status_code)
+        return reply
+
+    def _check_success(self, reply: SuccessResponse, *, route: str, status_code: int) -> None:
+        if not reply.success:
+            raise RemoteReplicaError(
+                f"replica {self.base_url}: {route} reported failure: {reply.message}",
+                replica=self.base_url,
+                route=route,
+                status_code=status_code,
+            )

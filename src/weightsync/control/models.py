@@ -1,0 +1,234 @@
+"""The bodies of PROTOCOL.md's routes, as pydantic models with SGLang's exact field names.
+
+Request models ignore unknown fields (SGLang clients may send more); response models allow
+extra fields, so a reader keeps what a newer server adds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PauseMode = Literal["abort", "retract", "in_place"]
+Selector = Literal["target", "draft", "all"]
+CheckerAction = Literal["snapshot", "reset_tensors", "compare", "checksum"]
+
+WeightsInfo = dict[str, tuple[int, int, int]]
+"""``{param_name: (data_ptr, numel, element_size)}`` of one rollout rank."""
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# Main server: requests.
+
+
+class PauseGenerationRequest(_Request):
+    """``POST /pause_generation``: ``abort`` drops queued requests; the others hold them."""
+
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationRequest(_Request):
+    """``POST /continue_generation``."""
+
+    torch_empty_cache: bool = False
+
+
+class AbortRequestRequest(_Request):
+    """``POST /abort_request``: abort the request ``rid``, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class MemoryOccupationRequest(_Request):
+    """``POST /release_memory_occupation`` and ``/resume_memory_occupation``.
+
+    ``tags=None`` means every releasable kind of memory.
+    """
+
+    tags: list[str] | None = None
+
+
+class BeginWeightUpdateRequest(_Request):
+    """``POST /begin_weight_update``."""
+
+    selector: Selector = "target"
+
+
+class EndWeightUpdateRequest(_Request):
+    """``POST /end_weight_update`` (an empty object)."""
+
+
+class UpdateWeightVersionRequest(_Request):
+    """``POST /update_weight_version``."""
+
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class WeightsCheckerRequest(_Request):
+    """``POST /weights_checker``."""
+
+    action: CheckerAction
+    allow_quant_error: bool = False
+    selector: Selector = "target"
+    skip_tensor_list: list[str] = Field(default_factory=list)
+
+
+class SamplingParams(_Request):
+    """The sampling parameters the reference server honours."""
+
+    max_new_tokens: int = Field(default=16, ge=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(_Request):
+    """``POST /generate`` on the reference server (token ids in, token ids out)."""
+
+    input_ids: list[int] = Field(min_length=1)
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    rid: str | None = None
+
+
+# Main server: responses.
+
+
+class StatusResponse(_Response):
+    """``{"status": "ok", "message": ...}`` of the generation-control routes."""
+
+    status: str
+    message: str = ""
+
+
+class SuccessResponse(_Response):
+    """``{"success": bool, "message": str}`` of the weight-update routes."""
+
+    success: bool
+    message: str = ""
+
+
+class UpdateWeightVersionResponse(SuccessResponse):
+    """``POST /update_weight_version``'s reply."""
+
+    new_version: str | None = None
+
+
+class WeightVersionResponse(_Response):
+    """``GET /get_weight_version``'s reply."""
+
+    weight_version: str | None
+
+
+class FinishReason(_Response):
+    """Why a generation stopped: ``length`` (max_new_tokens reached) or ``abort``."""
+
+    type: Literal["length", "stop", "abort"]
+    message: str | None = None
+
+
+class GenerateMetaInfo(_Response):
+    """``meta_info`` of ``/generate``: the weight version that produced the tokens."""
+
+    weight_version: str | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+
+class GenerateResponse(_Response):
+    """``POST /generate``'s reply."""
+
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class ErrorDetail(_Response):
+    """The ``error`` object of an error reply."""
+
+    message: str
+
+
+class ErrorResponse(_Response):
+    """``{"error": {"message": ...}}``: how the reference server explains a refusal."""
+
+    error: ErrorDetail
+
+
+class TransferEngineInfoResponse(_Response):
+    """``GET /remote_instance_transfer_engine_info`` (and the bootstrap's
+    ``/get_transfer_engine_info``): ``[session_id, weights_info]`` of one rank."""
+
+    rank: int
+    remote_instance_transfer_engine_info: tuple[str, WeightsInfo]
+
+
+class ParallelismConfigModel(_Response):
+    """SGLang's ``RankParallelismConfig.to_dict()``; readers ignore unknown keys."""
+
+    tp_size: int
+    tp_rank: int
+    pp_size: int = 1
+    pp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int | None = None
+    moe_tp_size: int | None = None
+    moe_tp_rank: int | None = None
+    attn_tp_size: int | None = None
+    attn_tp_rank: int | None = None
+    attn_dp_size: int = 1
+    attn_dp_rank: int = 0
+    world_size: int | None = None
+    global_rank: int | None = None
+    local_rank: int | None = None
+
+
+class ServerInfo(_Response):
+    """``GET /server_info``: the reference server's arguments, state and version."""
+
+    model_path: str
+    tp_size: int
+    pp_size: int = 1
+    ep_size: int = 1
+    dtype: str
+    device: str
+    host: str
+    port: int
+    engine_info_bootstrap_port: int
+    transport: str
+    mooncake_protocol: str
+    weight_version: str | None
+    version: str
+    state: dict[str, Any] = Field(default_factory=dict)
+
+
+# Engine-info bootstrap server.
+
+
+class TransferEngineInfo(_Request):
+    """What one rank publishes about its transfer engine."""
+
+    session_id: str
+    weights_info_dict: WeightsInfo
+
+
+class RegisterTransferEngineInfoRequest(_Request):
+    """``PUT /register_transfer_engine_info``."""
+
+    tp_rank: int = Field(ge=0)
+    transfer_engine_info: TransferEngineInfo
+
+
+class RegisterParallelismConfigRequest(_Request):
+    """``PUT /register_parallelism_config``."""
+
+    tp_rank: int = Field(ge=0)
+    parallelism_config: dict[str, Any]

@@ -1,0 +1,269 @@
+"""The weights checker: snapshot, corrupt and compare one rank's parameters.
+
+The bit-exact check of PROTOCOL.md runs it on every rank: ``snapshot`` copies every parameter
+into host memory, ``reset_tensors`` overwrites every parameter in place with random values,
+and after a sync ``compare`` must find every parameter bitwise equal to the snapshot (or,
+with ``allow_quant_error``, within one unit in the last place of its dtype). ``compare`` frees
+the snapshot. ``checksum`` summarises every parameter (SHA-256 of its bytes and its sum).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")
+# A compare report names at most this many parameters per rank in its message.
+_MAX_REPORTED = 32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckResult:
+    """The outcome of one checker action on one rank.
+
+    Attributes:
+        success: whether the action succeeded (``compare``: no parameter differs).
+        message: what happened, for people: differing parameters one per line.
+        details: the same as data (``compare``: ``{"differing": {name: {...}}}``;
+            ``checksum``: ``{"checksums": {name: {"sha256": str, "sum": float}}}``).
+    """
+
+    success: bool
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamDiff:
+    """How one parameter differs from its snapshot."""
+
+    name: str
+    num_different: int
+    numel: int
+    max_abs_error: float
+    mean_abs_error: float
+
+    def describe(self) -> str:
+        """One line for a report."""
+        return (
+            f"{self.name}: {self.num_different}/{self.numel} elements differ, "
+            f"max abs error {self.max_abs_error:.6g}, mean abs error {self.mean_abs_error:.6g}"
+        )
+
+
+class WeightsChecker:
+    """Snapshot / reset / compare / checksum over a fixed set of named tensors.
+
+    Args:
+        params: the rank's parameters by name; they are read and written in place, never
+            replaced, so registered memory stays valid.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._params = dict(params)
+        self._snapshot: dict[str, torch.Tensor] | None = None
+
+    @property
+    def has_snapshot(self) -> bool:
+        """Whether a snapshot is held (taken and not yet compared)."""
+        return self._snapshot is not None
+
+    def run(
+        self,
+        action: str,
+        *,
+        allow_quant_error: bool = False,
+        skip_tensor_list: Collection[str] = (),
+        seed: int | None = None,
+    ) -> CheckResult:
+        """Run one action by name (what ``POST /weights_checker`` does on each rank).
+
+        Args:
+            action: ``snapshot``, ``reset_tensors``, ``compare`` or ``checksum``.
+            allow_quant_error: ``compare`` tolerates one ULP of the parameter's dtype.
+            skip_tensor_list: parameters to leave out; an entry skips every parameter whose
+                name contains it (an exact name skips that parameter only).
+            seed: seed of ``reset_tensors``'s random values (default: fresh randomness).
+
+        Raises:
+            ValueError: unknown action, or a skip entry that matches no parameter.
+        """
+        if action not in ACTIONS:
+            raise ValueError(f"unknown weights_checker action {action!r}; use one of {ACTIONS}")
+        names = self._selected(skip_tensor_list)
+        if action == "snapshot":
+            return self.snapshot(names)
+        if action == "reset_tensors":
+            return self.reset_tensors(names, seed=seed)
+        if action == "compare":
+            return self.compare(names, allow_quant_error=allow_quant_error)
+        return self.checksum(names)
+
+    def snapshot(self, names: Collection[str] | None = None) -> CheckResult:
+        """Copy the parameters `names` (default: all) into host memory."""
+        names = list(self._params) if names is None else list(names)
+        self._snapshot = {name: self._params[name].detach().to("cpu", copy=True) for name in names}
+        num_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        return CheckResult(
+            success=True,
+            message=f"snapshot of {len(names)} parameters ({num_bytes} bytes) taken",
+        )
+
+    def reset_tensors(
+        self, names: Collection[str] | None = None, *, seed: int | None = None
+    ) -> CheckResult:
+        """Overwrite the parameters `names` (default: all) with random values, in place."""
+        names = list(self._params) if names is None else list(names)
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        with torch.no_grad():
+            for name in names:
+                param = self._params[name]
+                # Generated on the host so the values do not depend on the device; copy_
+                # writes into the existing storage, which the transfer engine has registered.
+                param.copy_(_random_like(param, generator).to(param.device))
+        return CheckResult(success=True, message=f"{len(names)} parameters reset to random values")
+
+    def compare(
+        self, names: Collection[str] | None = None, *, allow_quant_error: bool = False
+    ) -> CheckResult:
+        """Compare the parameters `names` (default: all snapshotted) with the snapshot, then
+        free the snapshot.
+
+        A parameter passes when its bytes equal the snapshot's, or, with `allow_quant_error`,
+        when every element is within one ULP of its dtype (one step for integer dtypes).
+        """
+        if self._snapshot is None:
+            return CheckResult(
+                success=False,
+                message="no snapshot to compare with: run weights_checker snapshot first",
+            )
+        snapshot, self._snapshot = self._snapshot, None
+        names = list(snapshot) if names is None else list(names)
+        missing = [n for n in names if n not in snapshot]
+        diffs = []
+        for name in names:
+            if name in snapshot:
+                diff = _diff(name, snapshot[name], self._params[name], allow_quant_error)
+                if diff is not None:
+                    diffs.append(diff)
+        del snapshot
+        tolerance = "within one ULP" if allow_quant_error else "bitwise"
+        if not diffs and not missing:
+            return CheckResult(
+                success=True, message=f"{len(names)} parameters equal the snapshot ({tolerance})"
+            )
+        lines = [f"{len(diffs)} of {len(names)} parameters differ from the snapshot ({tolerance}):"]
+        lines += [f"  {d.describe()}" for d in diffs[:_MAX_REPORTED]]
+        if len(diffs) > _MAX_REPORTED:
+            lines.append(f"  ... and {len(diffs) - _MAX_REPORTED} more parameters")
+        if missing:
+            lines.append(f"  not in the snapshot: {', '.join(missing)}")
+        details = {
+            "differing": {
+                d.name: {
+                    "num_different": d.num_different,
+                    "numel": d.numel,
+                    "max_abs_error": d.max_abs_error,
+                    "mean_abs_error": d.mean_abs_error,
+                }
+                for d in diffs
+            },
+            "missing": missing,
+        }
+        return CheckResult(success=False, message="\n".join(lines), details=details)
+
+    def checksum(self, names: Collection[str] | None = None) -> CheckResult:
+        """SHA-256 of the bytes and the sum of the values of the parameters `names`."""
+        names = list(self._params) if names is None else list(names)
+        checksums = {}
+        for name in names:
+            host = self._params[name].detach().to("cpu").contiguous()
+            digest = hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+            total = float(host.double().sum()) if host.dtype.is_floating_point else int(host.sum())
+            checksums[name] = {"sha256": digest, "sum": total}
+        return CheckResult(
+            success=True,
+            message=f"checksums of {len(names)} parameters",
+            details={"checksums": checksums},
+        )
+
+    def _selected(self, skip_tensor_list: Collection[str]) -> list[str]:
+        unused = [s for s in skip_tensor_list if not any(s in name for name in self._params)]
+        if unused:
+            raise ValueError(
+                f"skip_tensor_list entries {unused} match no parameter of this rank "
+                f"(parameters are named like {next(iter(self._params), '?')!r})"
+            )
+        return [n for n in self._params if not any(s in n for s in skip_tensor_list)]
+
+
+def _random_like(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if param.dtype.is_floating_point:
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+            -1.0, 1.0, generator=generator
+        )
+        return values.to(param.dtype)
+    if param.dtype == torch.bool:
+        return torch.rand(param.shape, generator=generator) > 0.5
+    info = torch.iinfo(param.dtype)
+    return torch.randint(
+        info.min, info.max, param.shape, generator=generator, dtype=torch.int64
+    ).to(param.dtype)
+
+
+def _diff(
+    name: str, expected: torch.Tensor, param: torch.Tensor, allow_quant_error: bool
+) -> ParamDiff | None:
+    actual = param.detach().to("cpu")
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return ParamDiff(
+            name=f"{name} (shape/dtype {tuple(actual.shape)}/{actual.dtype}, "
+            f"snapshot {tuple(expected.shape)}/{expected.dtype})",
+            num_different=actual.numel(),
+            numel=actual.numel(),
+            max_abs_error=math.nan,
+            mean_abs_error=math.nan,
+        )
+    int_view = _INT_VIEWS[expected.element_size()]
+    a_bits = actual.contiguous().reshape(-1).view(int_view)
+    e_bits = expected.contiguous().reshape(-1).view(int_view)
+    different = a_bits != e_bits
+    if not bool(different.any()):
+        return None
+    a_val = actual.reshape(-1).double()
+    e_val = expected.reshape(-1).double()
+    error = (a_val - e_val).abs()
+    if allow_quant_error:
+        within = error <= _ulp(expected).reshape(-1)
+        different &= ~within
+        if not bool(different.any()):
+            return None
+    num_different = int(different.sum())
+    return ParamDiff(
+        name=name,
+        num_different=num_different,
+        numel=expected.numel(),
+        max_abs_error=float(error.max()),
+        mean_abs_error=float(error.mean()),
+    )
+
+
+def _ulp(values: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each value, in its own dtype, as float64."""
+    if not values.dtype.is_floating_point:
+        return torch.ones(values.shape, dtype=torch.float64)
+    finfo = torch.finfo(values.dtype)
+    magnitude = values.double().abs().clamp_min(finfo.smallest_normal)
+    _, exponent = torch.frexp(magnitude)
+    # |x| = m * 2**e with m in [0.5, 1): the spacing of the dtype's grid there is 2**(e-1)*eps.
+    return torch.ldexp(torch.full_like(magnitude, finfo.eps), exponent - 1)

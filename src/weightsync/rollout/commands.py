@@ -1,0 +1,115 @@
+"""The commands rank 0 sends to every rank of the reference engine, and their replies.
+
+Commands and replies are frozen dataclasses: rank 0 pickles them over the replica's control
+group (``broadcast_object_list`` / ``gather_object`` on gloo), every rank executes the same
+command in the same order, so collectives inside a command (the TP forward pass) line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generate:
+    """Generate tokens; every rank gets the same arguments, so the same tokens."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BeginUpdate:
+    """Open a weight-update session on every rank."""
+
+    selector: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndUpdate:
+    """Run post-load processing and close the session on every rank."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetWeightVersion:
+    """Label the weights every rank holds."""
+
+    version: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckWeights:
+    """One weights-checker action on every rank."""
+
+    action: str
+    allow_quant_error: bool
+    skip_tensor_list: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlushCache:
+    """Drop caches; with ``empty_device_cache``, return cached device memory too."""
+
+    empty_device_cache: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown:
+    """Leave the command loop, unregister memory and close the transport."""
+
+
+Command = (
+    Generate | BeginUpdate | EndUpdate | SetWeightVersion | CheckWeights | FlushCache | Shutdown
+)
+
+# Why a rank could not execute a command; the HTTP layer turns kinds into status codes.
+REFUSED = "refused"  # not now (a session is open): retry later
+CONFLICT = "conflict"  # the call contradicts the state (begin twice, end without begin)
+INVALID = "invalid"  # bad arguments
+INTERNAL = "internal"  # a bug or a broken rank
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankReply:
+    """What one rank returns for one command.
+
+    Attributes:
+        tp_rank: the rank that replied.
+        value: the command's result when it succeeded.
+        error: why it failed, ``None`` on success.
+        error_kind: ``refused``, ``conflict``, ``invalid`` or ``internal`` when it failed.
+    """
+
+    tp_rank: int
+    value: Any = None
+    error: str | None = None
+    error_kind: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the command succeeded on this rank."""
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankInfo:
+    """What each rank reports to rank 0 once it is ready to serve.
+
+    Attributes:
+        tp_rank: the rank.
+        session_id: its transport session id.
+        weights_info: ``{param_name: [data_ptr, numel, element_size]}``.
+        parallelism: its parallelism config dict.
+        device: the device its parameters live on.
+        dtype: the parameters' dtype name.
+    """
+
+    tp_rank: int
+    session_id: str
+    weights_info: dict[str, list[int]]
+    parallelism: dict[str, int]
+    device: str
+    dtype: str

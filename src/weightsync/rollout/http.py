@@ -1,0 +1,79 @@
+"""HTTP plumbing both reference servers share: refusals as errors, bearer-key auth."""
+
+# No `from __future__ import annotations` here: FastAPI must see the dependency's real
+# annotation, which refers to a local variable.
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Annotated
+
+from fastapi import FastAPI, Request, Security
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from weightsync.control.models import ErrorResponse
+from weightsync.errors import WeightSyncError
+
+
+class ControlError(WeightSyncError):
+    """A route refuses or fails; the server answers ``status_code`` and
+    ``{"error": {"message": ...}}``.
+
+    Attributes:
+        status_code: the HTTP status (400 wrong for the state or bad input, 401 auth,
+            404 unknown rank, 500 a rank failed, 503 not now: retry later).
+    """
+
+    def __init__(self, message: str, *, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def error_response(message: str, status_code: int) -> JSONResponse:
+    """``{"error": {"message": ...}}`` with `status_code`."""
+    body = ErrorResponse.model_validate({"error": {"message": message}})
+    headers = {"WWW-Authenticate": "Bearer"} if status_code == 401 else None
+    return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
+
+
+def install_error_handler(app: FastAPI) -> None:
+    """Answer every `ControlError` a route raises with its status and message."""
+
+    async def handle(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ControlError)
+        return error_response(str(exc), exc.status_code)
+
+    app.add_exception_handler(ControlError, handle)
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+}
+
+
+def bearer_auth(api_key: str | None) -> Callable[..., Awaitable[None]]:
+    """A dependency that requires ``Authorization: Bearer <api_key>`` (none when `api_key`
+    is ``None``); put it on every state-changing route.
+
+    Raises (from the dependency):
+        ControlError: 401 when the header is missing or holds another key.
+    """
+    scheme = HTTPBearer(
+        auto_error=False,
+        description="The server's --api-key; required by every POST/PUT route when set.",
+    )
+
+    async def require_api_key(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Security(scheme)],
+    ) -> None:
+        if api_key is None:
+            return
+        if credentials is None:
+            raise ControlError(
+                "this route needs 'Authorization: Bearer <api key>' (the server was started "
+                "with --api-key)",
+                status_code=401,
+            )
+        if not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
+            raise ControlError("wrong API key in the Authorization header", status_code=401)
+
+    return require_api_key
