@@ -1,0 +1,277 @@
+"""`weightsync demo`: the whole system on one machine, end to end."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import queue
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from weightsync.checkpoint import PRESET_NAMES, preset_config, write_random_checkpoint
+from weightsync.cli.demo_trainer import TrainerArgs, run_trainer_rank
+from weightsync.rollout.launch import ServedReplica, start_replicas
+
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+_PROMPTS = ((1, 17, 42, 7), (5, 99, 3, 250, 11, 8), (600, 2, 2, 31))
+
+
+def demo(
+    replicas: Annotated[int, typer.Option(help="Rollout replicas to start.")] = 2,
+    rollout_tp: Annotated[int, typer.Option(help="Tensor-parallel size of each replica.")] = 2,
+    rollout_ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
+    trainer_ranks: Annotated[int, typer.Option(help="Trainer processes (sources).")] = 2,
+    trainer_pp: Annotated[int, typer.Option(help="Pipeline stages the trainer exports.")] = 1,
+    model: Annotated[str, typer.Option(help=f"Model preset: {', '.join(PRESET_NAMES)}.")] = "tiny",
+    steps: Annotated[int, typer.Option(help="Optimizer steps (one sync after each).")] = 3,
+    dtype: Annotated[str, typer.Option(help="Rollout dtype: bf16, fp16 or fp32.")] = "bf16",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Where to put the checkpoint and logs (kept).")
+    ] = None,
+    bucket_mb: Annotated[int, typer.Option(help="Sender bucket size in MiB.")] = 64,
+) -> None:
+    """Train a small model and sync it into live rollout replicas after every step.
+
+    Writes a random-init HF checkpoint, starts the replicas with `weightsync serve` on
+    loopback, snapshots and corrupts their weights, runs a torch.distributed (gloo) trainer
+    that takes real optimizer steps, and syncs after each step (plus once before the first).
+    Exits non-zero if the first sync is not bit-exact or a replica's greedy generation ever
+    differs from the trainer model's.
+    """
+    _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
+    console = Console(stderr=True)
+    own_workdir = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="weightsync-demo-")) if own_workdir else workdir
+    root.mkdir(parents=True, exist_ok=True)
+    started: list[ServedReplica] = []
+    trainers: list[multiprocessing.Process] = []
+    result: dict[str, Any] = {
+        "ok": False,
+        "replicas": replicas,
+        "rollout_tp": rollout_tp,
+        "trainer_ranks": trainer_ranks,
+        "syncs": [],
+        "bit_exact": False,
+        "generation_match": False,
+    }
+    failure: str | None = None
+    try:
+        with _progress(console, quiet=False) as progress:
+            task = progress.add_task("writing checkpoint", total=steps + 3)
+            checkpoint = write_random_checkpoint(root / "checkpoint", preset_config(model), seed=0)
+            progress.update(task, advance=1, description=f"starting {replicas} replica(s)")
+            api_key = secrets.token_hex(16)
+            started = start_replicas(
+                checkpoint,
+                num_replicas=replicas,
+                tp=rollout_tp,
+                ep=rollout_ep,
+                dtype=dtype,
+                api_key=api_key,
+                log_dir=root / "logs",
+            )
+            progress.update(task, advance=1, description="trainer: first sync (bit-exact check)")
+            args = TrainerArgs(
+                checkpoint=str(checkpoint),
+                replica_urls=tuple(r.url for r in started),
+                api_key=api_key,
+                world_size=trainer_ranks,
+                pp_size=trainer_pp,
+                steps=steps,
+                rollout_dtype=_DTYPES[dtype],
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                bucket_bytes=bucket_mb << 20,
+                prompts=_PROMPTS,
+                max_new_tokens=8,
+                transfer_timeout_s=30.0,
+            )
+            ctx = multiprocessing.get_context("spawn")
+            events = ctx.Queue()
+            for rank in range(trainer_ranks):
+                proc = ctx.Process(target=run_trainer_rank, args=(rank, args, events), daemon=True)
+                proc.start()
+                trainers.append(proc)
+            failure = _collect(events, trainers, result, progress, task, console, as_json)
+    except KeyboardInterrupt:
+        failure = "interrupted"
+    except (RuntimeError, OSError, ValueError) as exc:
+        failure = str(exc)
+    finally:
+        for proc in trainers:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
+        for replica in started:
+            replica.stop()
+        if own_workdir and failure is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    syncs = result["syncs"]
+    result["bit_exact"] = bool(syncs) and syncs[0].get("bit_exact") is True
+    result["generation_match"] = bool(syncs) and all(s["generation_match"] for s in syncs)
+    result["ok"] = (
+        failure is None
+        and len(syncs) == steps + 1
+        and result["bit_exact"]
+        and result["generation_match"]
+    )
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _print_summary(console, result, failure, root)
+    if not result["ok"]:
+        raise typer.Exit(code=1)
+
+
+def _collect(
+    events: Any,
+    trainers: list[multiprocessing.Process],
+    result: dict[str, Any],
+    progress: Progress,
+    task: Any,
+    console: Console,
+    as_json: bool,
+) -> str | None:
+    """Consume trainer events until every rank exited; return a failure message or None."""
+    exited: set[int] = set()
+    failure: str | None = None
+    while len(exited) < len(trainers):
+        try:
+            event = events.get(timeout=1.0)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(trainers) if not p.is_alive() and i not in exited]
+            if dead and events.empty():
+                failure = failure or f"trainer rank(s) {dead} died without reporting"
+                break
+            continue
+        if event["kind"] == "sync":
+            report = event["report"]
+            entry = {
+                "version": report["version"],
+                "bytes": report["bytes"],
+                "seconds": report["seconds"],
+                "gbps": report["gbps"],
+                "num_writes": report["num_writes"],
+                "phases": report["phases"],
+                "bit_exact": report["bit_exact"],
+                "generation_match": event["generation_match"],
+                "loss": event["loss"],
+            }
+            result["syncs"].append(entry)
+            if not as_json:
+                console.print(_sync_table(entry, event["step"]))
+            if not event["generation_match"]:
+                failure = failure or (
+                    f"generation mismatch after sync {report['version']}: trainer "
+                    f"{event['expected']}, replicas {event['actual']}"
+                )
+            progress.update(task, advance=1, description=f"synced version {report['version']}")
+        elif event["kind"] == "error":
+            failure = failure or f"trainer rank {event['rank']}: {event['message']}"
+            console.print(f"trainer rank {event['rank']} failed:\n{event['trace']}", markup=False)
+        elif event["kind"] == "exit":
+            exited.add(event["rank"])
+    return failure
+
+
+def _sync_table(entry: dict[str, Any], step: int) -> Table:
+    phases = entry["phases"]
+    table = Table(title=f"sync {entry['version']} (after step {step})", title_justify="left")
+    for column in ("bytes", "seconds", "GB/s", "writes", "pause", "metadata", "push",
+                   "finalize", "resume", "bit-exact", "generation"):  # fmt: skip
+        table.add_column(column, justify="right")
+    bit_exact = entry["bit_exact"]
+    table.add_row(
+        f"{entry['bytes']:,}",
+        f"{entry['seconds']:.3f}",
+        f"{entry['gbps']:.3f}",
+        str(entry["num_writes"]),
+        *(f"{phases[p]:.3f}" for p in ("pause", "metadata", "push", "finalize", "resume")),
+        "-" if bit_exact is None else ("yes" if bit_exact else "NO"),
+        "equal" if entry["generation_match"] else "DIFFERENT",
+    )
+    return table
+
+
+def _print_summary(
+    console: Console, result: dict[str, Any], failure: str | None, root: Path
+) -> None:
+    if result["ok"]:
+        console.print(
+            f"[green]ok[/green]: {len(result['syncs'])} syncs into {result['replicas']} "
+            f"replica(s) at tp={result['rollout_tp']}, first sync bit-exact, generation equal "
+            "after every sync"
+        )
+    else:
+        console.print(f"demo failed: {failure or 'checks did not pass'}", style="red", markup=False)
+        console.print(f"checkpoint and logs kept in {root}")
+
+
+def _progress(console: Console, *, quiet: bool) -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet or not console.is_terminal,
+    )
+
+
+def _check_args(
+    replicas: int,
+    rollout_tp: int,
+    rollout_ep: int,
+    trainer_ranks: int,
+    trainer_pp: int,
+    model: str,
+    steps: int,
+    dtype: str,
+) -> None:
+    def bad(option: str, message: str) -> None:
+        raise typer.BadParameter(message, param_hint=option)
+
+    if replicas < 1:
+        bad("--replicas", "must be at least 1")
+    if rollout_tp < 1:
+        bad("--rollout-tp", "must be at least 1")
+    if rollout_ep < 1 or rollout_tp % rollout_ep:
+        bad("--rollout-ep", f"must divide --rollout-tp ({rollout_tp})")
+    if trainer_ranks < 1:
+        bad("--trainer-ranks", "must be at least 1")
+    if trainer_pp < 1 or trainer_ranks % trainer_pp:
+        bad("--trainer-pp", f"must divide --trainer-ranks ({trainer_ranks})")
+    if model not in PRESET_NAMES:
+        bad("--model", f"choose one of {', '.join(PRESET_NAMES)}")
+    if steps < 0:
+        bad("--steps", "must not be negative")
+    if dtype not in _DTYPES:
+        bad("--dtype", f"choose one of {', '.join(_DTYPES)}")
+    if rollout_ep > 1 and not preset_config(model)["model_type"].endswith("moe"):
+        bad("--rollout-ep", f"expert parallelism needs an MoE model (e.g. tiny-moe), not {model}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `demo` command to `app`."""
+    app.command("demo")(demo)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(typer.run(demo))
