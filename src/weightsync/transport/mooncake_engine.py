@@ -1,0 +1,158 @@
+"""Creating a Mooncake TransferEngine: metadata mode, protocol choice and environment.
+
+Mooncake's Python ``initialize(hostname, metadata, protocol, device)`` does not pick the
+transport from its `protocol` argument: the engine discovers the local RDMA devices and
+installs RDMA when it finds one, TCP otherwise (CUDA builds may install an NVLink transport
+instead), unless ``MC_FORCE_TCP`` is set. Its write timeout is read from
+``MC_TRANSFER_TIMEOUT`` when the engine object is constructed. So the protocol and timeout of
+a `MooncakeConfig` reach Mooncake through those two variables, set around the engine's
+creation under a lock and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightsync.errors import WeightSyncError
+
+_LOG = logging.getLogger(__name__)
+
+PROTOCOLS = ("tcp", "rdma", "auto")
+_METADATA_SERVER = "P2PHANDSHAKE"
+_RDMA_SYSFS = Path("/sys/class/infiniband")
+_ENV_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MooncakeConfig:
+    """How a `MooncakeTransport` sets up its engine.
+
+    Attributes:
+        hostname: the address peers reach this engine at; part of the session id.
+        protocol: ``"tcp"``, ``"rdma"`` or ``"auto"`` (RDMA when an RDMA device is present
+            and usable, TCP otherwise).
+        device_name: RDMA devices to use, comma-separated (``"mlx5_0,mlx5_1"``); empty for all.
+        timeout_s: Mooncake's own per-write timeout, passed as ``MC_TRANSFER_TIMEOUT`` (whole
+            seconds, at least 5, which is Mooncake's floor). `wait` takes its own timeout.
+        max_outstanding_per_peer: most writes in flight to one peer over all threads; more
+            can wedge Mooncake's TCP connection.
+    """
+
+    hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_name: str = ""
+    timeout_s: float = 30.0
+    max_outstanding_per_peer: int = 1000
+
+    def __post_init__(self) -> None:
+        if not self.hostname:
+            raise ValueError("hostname must not be empty")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s}")
+        if self.max_outstanding_per_peer < 1:
+            raise ValueError(
+                f"max_outstanding_per_peer must be at least 1, got {self.max_outstanding_per_peer}"
+            )
+
+    @property
+    def engine_timeout_s(self) -> int:
+        """The ``MC_TRANSFER_TIMEOUT`` value: whole seconds, at least 5."""
+        return max(5, math.ceil(self.timeout_s))
+
+
+def rdma_devices(device_name: str = "") -> list[str]:
+    """The RDMA devices the kernel lists, filtered by a comma-separated `device_name`."""
+    if not _RDMA_SYSFS.is_dir():
+        return []
+    found = sorted(entry.name for entry in _RDMA_SYSFS.iterdir())
+    wanted = {name.strip() for name in device_name.split(",") if name.strip()}
+    return [name for name in found if not wanted or name in wanted]
+
+
+def topology_devices(topology_json: str) -> list[str]:
+    """The RDMA devices named in Mooncake's ``get_local_topology()`` JSON."""
+    try:
+        topology = json.loads(topology_json)
+    except json.JSONDecodeError:
+        return []
+    names: set[str] = set()
+    for entry in topology.values() if isinstance(topology, dict) else ():
+        for group in entry if isinstance(entry, list) else ():
+            names.update(name for name in group if isinstance(name, str))
+    return sorted(names)
+
+
+def create_engine(config: MooncakeConfig) -> tuple[Any, str]:
+    """Create and initialize a TransferEngine as `config` says.
+
+    Returns:
+        ``(engine, protocol)`` with the protocol actually in use (``"tcp"`` or ``"rdma"``).
+
+    Raises:
+        WeightSyncError: Mooncake is not installed, or the engine did not initialize (with
+            ``protocol="rdma"``: no usable RDMA device).
+    """
+    if config.protocol != "auto":
+        return _initialize(config, config.protocol), config.protocol
+    if not rdma_devices(config.device_name):
+        return _initialize(config, "tcp"), "tcp"
+    try:
+        return _initialize(config, "rdma"), "rdma"
+    except WeightSyncError as exc:
+        _LOG.warning("Mooncake RDMA did not initialize (%s); falling back to TCP", exc)
+        return _initialize(config, "tcp"), "tcp"
+
+
+def _initialize(config: MooncakeConfig, protocol: str) -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise WeightSyncError(
+            "Mooncake is not installed: pip install mooncake-transfer-engine-non-cuda "
+            "(or mooncake-transfer-engine for GPU memory)"
+        ) from exc
+    env = {"MC_TRANSFER_TIMEOUT": str(config.engine_timeout_s)}
+    # Without MC_FORCE_TCP Mooncake installs RDMA (or, in CUDA builds without a NIC, its
+    # NVLink transport) whatever protocol it is given.
+    env["MC_FORCE_TCP"] = "1" if protocol == "tcp" else ""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in env}
+        try:
+            for name, value in env.items():
+                if value:
+                    os.environ[name] = value
+                else:
+                    os.environ.pop(name, None)
+            engine = TransferEngine()
+            return_code = engine.initialize(
+                config.hostname, _METADATA_SERVER, protocol, config.device_name
+            )
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    if return_code != 0:
+        raise WeightSyncError(
+            f"Mooncake TransferEngine.initialize({config.hostname!r}, {_METADATA_SERVER!r}, "
+            f"{protocol!r}, {config.device_name!r}) returned {return_code}"
+        )
+    if protocol == "rdma":
+        devices = topology_devices(engine.get_local_topology())
+        if not devices:
+            raise WeightSyncError(
+                "protocol 'rdma' was asked for but Mooncake found no RDMA device"
+                + (f" among {config.device_name!r}" if config.device_name else "")
+                + "; use protocol 'tcp' or 'auto'"
+            )
+    return engine
