@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from weightsync.checkpoint import PRESET_NAMES, preset_config, write_random_checkpoint
-from weightsync.cli.demo_trainer import TrainerArgs, run_trainer_rank
+from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
 from weightsync.rollout.launch import ServedReplica, start_replicas
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -50,6 +51,7 @@ def demo(
     differs from the trainer model's.
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
+    quiet_transformers()
     console = Console(stderr=True)
     own_workdir = workdir is None
     root = Path(tempfile.mkdtemp(prefix="weightsync-demo-")) if own_workdir else workdir
@@ -187,19 +189,24 @@ def _collect(
 
 def _sync_table(entry: dict[str, Any], step: int) -> Table:
     phases = entry["phases"]
-    table = Table(title=f"sync {entry['version']} (after step {step})", title_justify="left")
-    for column in ("bytes", "seconds", "GB/s", "writes", "pause", "metadata", "push",
-                   "finalize", "resume", "bit-exact", "generation"):  # fmt: skip
+    table = Table(
+        title=f"sync {entry['version']} (after step {step}); phases in seconds",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0),
+    )
+    for column in ("MiB", "s", "GB/s", "writes", "pause", "meta", "push", "final",
+                   "resume", "exact", "gen"):  # fmt: skip
         table.add_column(column, justify="right")
     bit_exact = entry["bit_exact"]
     table.add_row(
-        f"{entry['bytes']:,}",
+        f"{entry['bytes'] / 2**20:.2f}",
         f"{entry['seconds']:.3f}",
         f"{entry['gbps']:.3f}",
         str(entry["num_writes"]),
         *(f"{phases[p]:.3f}" for p in ("pause", "metadata", "push", "finalize", "resume")),
         "-" if bit_exact is None else ("yes" if bit_exact else "NO"),
-        "equal" if entry["generation_match"] else "DIFFERENT",
+        "equal" if entry["generation_match"] else "DIFF",
     )
     return table
 

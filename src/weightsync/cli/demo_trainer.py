@@ -44,6 +44,7 @@ def run_trainer_rank(rank: int, args: TrainerArgs, events: Any) -> None:
     """
     torch.set_num_threads(1)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    quiet_transformers()
     try:
         _train_and_sync(rank, args, events)
     except BaseException as exc:
@@ -52,6 +53,13 @@ def run_trainer_rank(rank: int, args: TrainerArgs, events: Any) -> None:
         )
     finally:
         events.put({"kind": "exit", "rank": rank})
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' per-file progress bars; the demo shows its own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:

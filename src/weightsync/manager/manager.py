@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from weightsync.control import RolloutClient
-from weightsync.errors import RemoteReplicaError, WeightSyncError
+from weightsync.errors import LayoutMismatchError, RemoteReplicaError, WeightSyncError
 from weightsync.manager.config import SyncConfig
 from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
 from weightsync.plan import TargetRank
@@ -32,7 +32,9 @@ class SyncManager:
     3. first update, or after `add_replica` / `remove_replica`: fetch every rank's transfer
        engine info and parallelism config (cached until membership changes); with
        ``check_weight_update_equal``, snapshot and corrupt the weights of every replica;
-    4. ``push(targets, epoch)``: the caller's trainer ranks write their share of the plan;
+    4. ``push(targets, epoch)``: the caller's trainer ranks write their share of the plan; a
+       `LayoutMismatchError` from it means the plan was refused before any write, and the
+       replicas resume serving their previous weights;
     5. ``update_weight_version`` and ``end_weight_update`` on every replica (and, after the
        first update with the check on, ``weights_checker compare``);
     6. ``resume_memory_occupation``, ``flush_cache``, ``continue_generation``.
@@ -55,6 +57,7 @@ class SyncManager:
         self._epoch = 0
         self._version = 0
         self._checked = False
+        self._armed: set[str] = set()
         self._dirty: set[str] = set()
         for url in replicas:
             self.add_replica(url)
@@ -107,6 +110,7 @@ class SyncManager:
             raise ValueError(f"replica {url} is not managed; managed: {self._replicas}")
         self._replicas.remove(url)
         self._dirty.discard(url)
+        self._armed.discard(url)
         self._targets = None
         await client.aclose()
 
@@ -159,18 +163,27 @@ class SyncManager:
         refreshed = self._targets is None
         try:
             targets = await self.targets()
-            first_check = cfg.check_weight_update_equal and not self._checked
-            if first_check:
-                await self._on_all(replicas, "weights_checker", action="snapshot")
-                await self._on_all(replicas, "weights_checker", action="reset_tensors")
-                self._dirty.update(replicas)
+            if cfg.check_weight_update_equal and not self._checked:
+                # Snapshot and corrupt once; until a sync restores them, the replicas hold
+                # random weights and a retry must not snapshot those.
+                unarmed = [u for u in replicas if u not in self._armed]
+                if unarmed:
+                    await self._on_all(unarmed, "weights_checker", action="snapshot")
+                    self._dirty.update(unarmed)
+                    await self._on_all(unarmed, "weights_checker", action="reset_tensors")
+                    self._armed.update(unarmed)
         except BaseException:
-            await self._abandon(replicas, resume=True)
+            await self._abandon(replicas, resume=not (self._dirty & set(replicas)))
             raise
         t_metadata = time.perf_counter()
 
         try:
             summary = await push(targets, self._epoch)
+        except LayoutMismatchError:
+            # Raised while the plan is built, before any byte is written: replicas whose
+            # weights are intact may serve them again.
+            await self._abandon(replicas, resume=not (self._dirty & set(replicas)))
+            raise
         except BaseException:
             self._dirty.update(replicas)
             await self._abandon(replicas, resume=False)
@@ -186,10 +199,12 @@ class SyncManager:
             await self._abandon(replicas, resume=False)
             raise
         await self._on_all(replicas, "end_weight_update")
-        if first_check:
-            await self._compare(replicas)
+        armed = [u for u in replicas if u in self._armed]
+        if armed and not self._checked:
+            await self._compare(armed)
             bit_exact = True
             self._checked = True
+            self._armed.clear()
         self._dirty.difference_update(replicas)
         self._version = int(new_version) if new_version.isdigit() else self._version + 1
         t_final = time.perf_counter()

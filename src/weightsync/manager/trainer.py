@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from weightsync.manager.manager import SyncManager
 from weightsync.manager.report import PushSummary, SyncReport
-from weightsync.plan import SourceHolding, SyncPlan, TargetRank, build_plan
+from weightsync.plan import SourceHolding, SourcePlan, TargetRank, build_plan
 from weightsync.sender import ModelExport, PushStats, WeightSender
 
 T = TypeVar("T")
@@ -34,9 +33,10 @@ class TrainerSync:
     1. every rank builds ``TrainerSync(sender, hf_config=..., manager=...)``, passing the
        `SyncManager` on the driver rank (group rank 0) and ``None`` elsewhere;
     2. after each optimizer step every rank calls ``sync(export)`` with its PP-local export;
-       the driver runs the lifecycle, broadcasts the targets when it is time to push, every
-       rank builds (or reuses) the plan and writes its share, and the driver finishes the
-       lifecycle; every rank returns the same `SyncReport` or raises the same error;
+       the driver runs the lifecycle and, when it is time to push, builds and validates the
+       plan (once per set of targets and holdings) and scatters each rank its share; every
+       rank writes its share, and the driver finishes the lifecycle; every rank returns the
+       same `SyncReport` or raises the same error;
     3. ``close()`` on every rank.
 
     The driver runs the manager's coroutines on an event loop of its own (a daemon thread),
@@ -74,8 +74,8 @@ class TrainerSync:
         self._manager = manager
         self._hf_config = hf_config
         self._dtype = dtype
-        self._plan: SyncPlan | None = None
-        self._plan_key: tuple[int, tuple[SourceHolding, ...]] | None = None
+        self._plan: SourcePlan | None = None  # this rank's share of the current plan
+        self._plan_key: tuple[int, tuple[SourceHolding, ...]] | None = None  # driver only
         self._loop: asyncio.AbstractEventLoop | None = None
         if manager is not None:
             self._loop = asyncio.new_event_loop()
@@ -98,24 +98,29 @@ class TrainerSync:
         """Push this rank's weights into every replica; collective over the trainer group.
 
         Raises:
+            LayoutMismatchError: the plan was refused before any write (every rank raises
+                it; the replicas serve their previous weights).
             WeightSyncError / ValueError: as `SyncManager.update_weights` raised on the driver.
         """
         holdings = tuple(self._sender.gather_holdings(export))
         if self._manager is None:
-            return self._follow(export, holdings)
+            return self._follow(export)
         pushed = False
 
         async def push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
             nonlocal pushed
+            # The driver builds (and validates) the plan before any rank writes, so a
+            # mismatch fails the sync with nothing written.
+            plans = await asyncio.to_thread(self._source_plans, targets, epoch, holdings)
             pushed = True
-            self._broadcast(("push", tuple(targets), epoch))
-            return await asyncio.to_thread(self._push, export, holdings, targets, epoch)
+            self._broadcast(("push", plans is not None, 0))
+            return await asyncio.to_thread(self._push, export, targets, plans)
 
         try:
             report = self.run(self._manager.update_weights(push, version=version))
         except BaseException as exc:
             if not pushed:
-                self._broadcast(("abort", None, 0))
+                self._broadcast(("abort", False, 0))
             self._broadcast(("failed", exc, 0))
             raise
         self._broadcast(("done", report, 0))
@@ -130,31 +135,45 @@ class TrainerSync:
             self._loop = None
         self._sender.close()
 
-    def _follow(self, export: ModelExport, holdings: tuple[SourceHolding, ...]) -> SyncReport:
-        kind, targets, epoch = self._broadcast(None)
+    def _follow(self, export: ModelExport) -> SyncReport:
+        kind, new_plan, _ = self._broadcast(None)
         if kind == "push":
-            self._push(export, holdings, targets, epoch)
+            self._push(export, (), [None] * self._world_size if new_plan else None)
         kind, payload, _ = self._broadcast(None)
         if kind == "failed":
             raise payload
         return payload
 
+    def _source_plans(
+        self,
+        targets: Sequence[TargetRank],
+        epoch: int,
+        holdings: tuple[SourceHolding, ...],
+    ) -> list[SourcePlan] | None:
+        """The driver: every rank's share of the plan, or None when the cached one holds."""
+        key = (epoch, holdings)
+        if self._plan_key == key:
+            return None
+        plan = build_plan(
+            hf_config=self._hf_config, targets=targets, sources=holdings, dtype=self._dtype
+        )
+        self._plan_key = key
+        return [plan.for_source(h.rank) for h in holdings]
+
     def _push(
         self,
         export: ModelExport,
-        holdings: tuple[SourceHolding, ...],
         targets: Sequence[TargetRank],
-        epoch: int,
+        plans: list[SourcePlan | None] | None,
     ) -> PushSummary:
-        """Every rank: build or reuse the plan, write this rank's share, report to the driver."""
-        t0 = time.perf_counter()
+        """Every rank: receive its new plan (if any), write its share, report to the driver."""
         try:
-            plan = self._plan_for(targets, epoch, holdings)
-            outcome = _Outcome(
-                rank=self._rank,
-                stats=self._sender.push(plan.for_source(self._rank), export),
-                error=None,
-            )
+            if plans is not None:
+                self._plan = self._scatter(plans)
+            if self._plan is None:
+                raise ValueError(f"trainer rank {self._rank} has no plan to push")
+            stats = self._sender.push(self._plan, export)
+            outcome = _Outcome(rank=self._rank, stats=stats, error=None)
         except Exception as exc:  # reported to the driver, which raises it for everyone
             outcome = _Outcome(rank=self._rank, stats=None, error=exc)
         outcomes = self._gather(outcome)
@@ -163,18 +182,12 @@ class TrainerSync:
         failed = [o for o in outcomes if o.error is not None]
         if failed:
             raise failed[0].error
-        return _summarize(outcomes, targets, time.perf_counter() - t0)
+        return _summarize(outcomes, targets)
 
-    def _plan_for(
-        self, targets: Sequence[TargetRank], epoch: int, holdings: tuple[SourceHolding, ...]
-    ) -> SyncPlan:
-        key = (epoch, holdings)
-        if self._plan is None or self._plan_key != key:
-            self._plan = build_plan(
-                hf_config=self._hf_config, targets=targets, sources=holdings, dtype=self._dtype
-            )
-            self._plan_key = key
-        return self._plan
+    def _src(self) -> int:
+        import torch.distributed as dist
+
+        return 0 if self._group is None else dist.get_global_rank(self._group, 0)
 
     def _broadcast(self, obj: Any) -> Any:
         if self._world_size == 1:
@@ -182,7 +195,18 @@ class TrainerSync:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        dist.broadcast_object_list(box, src=self._src(), group=self._group)
+        return box[0]
+
+    def _scatter(self, plans: list[SourcePlan | None]) -> SourcePlan:
+        if self._world_size == 1:
+            return plans[0]
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.scatter_object_list(
+            box, plans if self._rank == 0 else None, src=self._src(), group=self._group
+        )
         return box[0]
 
     def _gather(self, outcome: _Outcome) -> list[_Outcome] | None:
@@ -191,15 +215,11 @@ class TrainerSync:
         import torch.distributed as dist
 
         gathered: list[Any] | None = [None] * self._world_size if self._rank == 0 else None
-        dist.gather_object(
-            outcome, gathered, dst=dist.get_global_rank(self._group, 0), group=self._group
-        )
+        dist.gather_object(outcome, gathered, dst=self._src(), group=self._group)
         return gathered
 
 
-def _summarize(
-    outcomes: Sequence[_Outcome], targets: Sequence[TargetRank], seconds: float
-) -> PushSummary:
+def _summarize(outcomes: Sequence[_Outcome], targets: Sequence[TargetRank]) -> PushSummary:
     per_replica: dict[str, int] = {}
     session_to_replica = {t.session_id: t.replica for t in targets}
     for o in outcomes:
