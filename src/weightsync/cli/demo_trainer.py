@@ -101,7 +101,7 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
             loss = _train_step(model, optimizer, rank, step, group) if step else None
             report = sync.sync(export)
             if rank == 0:
-                expected = _greedy(model, rollout_dtype, args.prompts, args.max_new_tokens)
+                expected = greedy_tokens(model, rollout_dtype, args.prompts, args.max_new_tokens)
                 actual = {
                     url: [
                         _generate(url, p, args.max_new_tokens, args.api_key) for p in args.prompts
@@ -145,7 +145,7 @@ def _train_step(model: Any, optimizer: Any, rank: int, step: int, group: Any) ->
 
 
 @torch.inference_mode()
-def _greedy(
+def greedy_tokens(
     model: Any, dtype: torch.dtype, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int
 ) -> list[list[int]]:
     """Greedy tokens of the trainer's model with its weights rounded to the rollout dtype.

@@ -1,0 +1,55 @@
+"""`weightsync demo`, the main job, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _demo(*args: str, timeout_s: float = 300) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "demo", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode, json.loads(lines[-1]) if lines else {}, proc.stderr
+
+
+def test_demo_json_default_shape():
+    code, result, stderr = _demo("--steps", "2")
+    assert code == 0, stderr[-3000:]
+    assert result["ok"] is True
+    assert (result["replicas"], result["rollout_tp"], result["trainer_ranks"]) == (2, 2, 2)
+    assert result["bit_exact"] is True and result["generation_match"] is True
+    syncs = result["syncs"]
+    assert [s["version"] for s in syncs] == ["1", "2", "3"]
+    for sync in syncs:
+        assert set(sync) >= {"version", "bytes", "seconds", "gbps"}
+        assert sync["bytes"] > 0 and sync["seconds"] > 0 and sync["gbps"] > 0
+
+
+def test_demo_moe_with_expert_parallelism():
+    code, result, stderr = _demo(
+        "--model", "tiny-moe", "--rollout-tp", "2", "--rollout-ep", "2", "--steps", "1",
+        "--replicas", "1", "--trainer-pp", "2",
+    )  # fmt: skip
+    assert code == 0, stderr[-3000:]
+    assert result["ok"] and result["bit_exact"] and result["generation_match"]
+
+
+def test_demo_refuses_bad_options():
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "demo", "--rollout-ep", "2", "--model", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--rollout-ep" in proc.stderr and "MoE" in proc.stderr
