@@ -1,0 +1,76 @@
+"""`SenderConfig`: how one trainer rank stages and writes its share of a sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+MIB = 1 << 20
+
+# Slots hold elements of any dtype weightsync moves; a multiple of 64 bytes keeps every slot
+# start aligned for every element size and for vectorised copies.
+SLOT_ALIGN_BYTES = 64
+
+StagingKind = Literal["auto", "host", "cuda"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SenderConfig:
+    """Settings of a `WeightSender`.
+
+    Attributes:
+        bucket_bytes: bytes of one staging slot; a bucket is what one slot holds for one
+            destination layout. Rounded down to a multiple of 64.
+        num_workers: threads that run a slot's fill copies in parallel (1 = the calling
+            thread only).
+        timeout_s: how long one batch of writes may take before it counts as failed.
+        num_slots: depth of the staging ring; with 2, filling one slot overlaps the writes
+            of the other. Host memory for staging is ``num_slots * bucket_bytes``.
+        staging: where the staging ring lives: ``"host"`` (pinned or plain host memory),
+            ``"cuda"`` (GPU memory; needs CUDA tensors and a transport that reads GPU
+            memory), or ``"auto"`` (GPU when both hold, host otherwise).
+        pin_memory: pin the host staging ring (faster device-to-host copies and NIC reads);
+            defaults to whether CUDA is available, since pinning needs it.
+        max_outstanding_per_peer: most write requests in flight to one target at a time.
+
+    Raises:
+        ValueError: a non-positive size, count or timeout, an unknown staging kind, or
+            ``pin_memory=True`` without CUDA.
+    """
+
+    bucket_bytes: int = 1024 * MIB
+    num_workers: int = 4
+    timeout_s: float = 30.0
+    num_slots: int = 2
+    staging: StagingKind = "auto"
+    pin_memory: bool = field(default_factory=torch.cuda.is_available)
+    max_outstanding_per_peer: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_bytes", "num_workers", "num_slots", "max_outstanding_per_peer"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SenderConfig.{name} must be a positive int, got {value!r}")
+        if self.bucket_bytes < SLOT_ALIGN_BYTES:
+            raise ValueError(
+                f"SenderConfig.bucket_bytes must be at least {SLOT_ALIGN_BYTES}, "
+                f"got {self.bucket_bytes}"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"SenderConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.staging not in ("auto", "host", "cuda"):
+            raise ValueError(
+                f"SenderConfig.staging must be 'auto', 'host' or 'cuda', got {self.staging!r}"
+            )
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError(
+                "SenderConfig.pin_memory=True needs CUDA (pinning is done by the CUDA driver); "
+                "pass pin_memory=False on a machine without GPUs"
+            )
+
+    @property
+    def slot_bytes(self) -> int:
+        """Usable bytes of one staging slot (`bucket_bytes` rounded down to 64)."""
+        return self.bucket_bytes - self.bucket_bytes % SLOT_ALIGN_BYTES

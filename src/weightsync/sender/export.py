@@ -1,0 +1,169 @@
+"""A trainer model as the PP-local ``(hf_name, tensor)`` stream the sender consumes.
+
+The stream uses the HF checkpoint's names with global layer numbers and yields views of the
+model's own tensors, never copies. transformers 5 keeps a MoE layer's experts fused in memory
+(``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` with each expert's gate rows before its up rows,
+``mlp.experts.down_proj`` ``[E, H, I]``) while checkpoints store one tensor per expert; the
+stream yields the per-expert checkpoint tensors as views of the fused ones.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from weightsync.layout.names import EMBED_TOKENS, LM_HEAD
+from weightsync.plan import stage_layers
+from weightsync.plan.types import TensorMeta
+
+_LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
+_FUSED_GATE_UP_RE = re.compile(r"^(.*\.experts)\.gate_up_proj$")
+_FUSED_DOWN_RE = re.compile(r"^(.*\.experts)\.down_proj$")
+
+
+class ModelExport:
+    """One pipeline stage of a model as a re-iterable ``(hf_name, tensor)`` stream.
+
+    Stage ``pp_rank`` of ``pp_size`` holds a contiguous slice of the decoder layers
+    (`weightsync.plan.stage_layers`, the split the plan's simulator uses); stage 0 also holds
+    ``model.embed_tokens.weight``; the last stage holds ``model.norm.weight`` and
+    ``lm_head.weight`` (with tied embeddings there is no ``lm_head.weight``, and the last
+    stage holds ``model.embed_tokens.weight`` as well, as its output layer uses it).
+
+    Two kinds of model are accepted: one that holds every layer, numbered globally
+    (``layer_offset=0``; layers of other stages are skipped), and one that holds only its
+    stage's layers numbered from 0 (pass the stage's first global layer as `layer_offset`;
+    every layer must then land in the stage).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        layer_offset: int = 0,
+        hf_config: Any = None,
+    ) -> None:
+        """Describe the export; nothing is read until iteration.
+
+        Args:
+            model: a transformers causal LM (or any module whose state dict uses HF names),
+                or such a state dict.
+            pp_rank: this pipeline stage.
+            pp_size: number of pipeline stages.
+            layer_offset: added to the module's layer numbers to make them global.
+            hf_config: the model's config (object or dict); default ``model.config``. Needed
+                for ``pp_size > 1`` (the number of layers) and for tied embeddings.
+
+        Raises:
+            ValueError: bad stage numbers, a negative offset, or ``pp_size > 1`` without a
+                config.
+        """
+        if pp_size < 1 or not 0 <= pp_rank < pp_size:
+            raise ValueError(
+                f"need 0 <= pp_rank < pp_size, got pp_rank={pp_rank}, pp_size={pp_size}"
+            )
+        if layer_offset < 0:
+            raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
+        self._model = model
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
+        self.layer_offset = layer_offset
+        config = hf_config if hf_config is not None else getattr(model, "config", None)
+        self._tied = _config_value(config, "tie_word_embeddings")
+        num_layers = _config_value(config, "num_hidden_layers")
+        if pp_size > 1 and num_layers is None:
+            raise ValueError("pp_size > 1 needs the model's config (num_hidden_layers)")
+        self.layers: range | None = (
+            stage_layers(int(num_layers), pp_size)[pp_rank] if num_layers is not None else None
+        )
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield this stage's HF tensors, as views of the model's tensors."""
+        state = (
+            self._model.state_dict() if isinstance(self._model, torch.nn.Module) else self._model
+        )
+        tied = self._tied
+        if tied is None:
+            tied = _same_memory(state.get(LM_HEAD), state.get(EMBED_TOKENS))
+        first = self.pp_rank == 0
+        last = self.pp_rank == self.pp_size - 1
+        for name, tensor in state.items():
+            match = _LAYER_RE.match(name)
+            if match is not None:
+                layer = int(match.group(2)) + self.layer_offset
+                if self.layers is not None and layer not in self.layers:
+                    if self.layer_offset:
+                        raise ValueError(
+                            f"{name!r} with layer_offset={self.layer_offset} is global layer "
+                            f"{layer}, outside pipeline stage {self.pp_rank}'s layers "
+                            f"{self.layers.start}..{self.layers.stop - 1}"
+                        )
+                    continue
+                yield from _expand(f"{match.group(1)}{layer}{match.group(3)}", tensor)
+            elif name == EMBED_TOKENS:
+                if first or (tied and last):
+                    yield name, tensor.detach()
+            elif name == LM_HEAD:
+                if last and not tied:
+                    yield name, tensor.detach()
+            elif last:
+                yield name, tensor.detach()
+
+    def metas(self) -> dict[str, TensorMeta]:
+        """``{hf_name: TensorMeta}`` of the stream, in its order (no tensor data is copied)."""
+        return {
+            name: TensorMeta(shape=tuple(tensor.shape), dtype=str(tensor.dtype))
+            for name, tensor in self
+        }
+
+
+def hf_state_items(
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    layer_offset: int = 0,
+    hf_config: Any = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The PP-local ``(hf_name, tensor)`` stream of `model`; see `ModelExport`."""
+    return iter(
+        ModelExport(
+            model, pp_rank=pp_rank, pp_size=pp_size, layer_offset=layer_offset, hf_config=hf_config
+        )
+    )
+
+
+def _expand(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert checkpoint tensors for a fused expert parameter; the tensor itself otherwise."""
+    tensor = tensor.detach()
+    gate_up = _FUSED_GATE_UP_RE.match(name)
+    if gate_up is not None and tensor.dim() == 3:
+        half = tensor.shape[1] // 2
+        for expert in range(tensor.shape[0]):
+            prefix = f"{gate_up.group(1)}.{expert}."
+            yield prefix + "gate_proj.weight", tensor[expert, :half]
+            yield prefix + "up_proj.weight", tensor[expert, half:]
+        return
+    down = _FUSED_DOWN_RE.match(name)
+    if down is not None and tensor.dim() == 3:
+        for expert in range(tensor.shape[0]):
+            yield f"{down.group(1)}.{expert}.down_proj.weight", tensor[expert]
+        return
+    yield name, tensor
+
+
+def _config_value(config: Any, key: str) -> Any:
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def _same_memory(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.data_ptr() == b.data_ptr()

@@ -1,0 +1,255 @@
+"""Filling a staging slot: source boxes fused into few strided copies, run on worker threads.
+
+A MoE layer yields hundreds of small per-expert tensors that are views of one fused
+parameter. Copying them one by one costs a framework call each; instead, consecutive boxes
+that share a storage, a shape and strides and whose source and slot offsets advance by
+constant steps become one copy of a strided view with an extra leading dim (all of an
+expert block's gate and up halves in one call, whatever the tensor-parallel split).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.sender.buckets import Bucket, SourceBox
+
+# Below this many bytes per slot, handing copies to threads costs more than it saves.
+_MIN_PARALLEL_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """One strided copy from a source storage into the typed staging buffer.
+
+    ``base.as_strided(size, src_stride, src_offset)`` is copied (and cast) into
+    ``staging.as_strided(size, dst_stride, dst_offset)``; offsets and strides are in elements.
+    """
+
+    base: torch.Tensor
+    size: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    src_offset: int
+    dst_stride: tuple[int, ...]
+    dst_offset: int
+
+    @property
+    def numel(self) -> int:
+        """Elements the copy moves."""
+        return math.prod(self.size)
+
+    def split(self, parts: int) -> list[CopyOp]:
+        """This copy cut along its outermost dim into at most `parts` copies."""
+        rows = self.size[0]
+        bounds = [rows * i // parts for i in range(parts + 1)]
+        return [
+            CopyOp(
+                self.base,
+                (hi - lo, *self.size[1:]),
+                self.src_stride,
+                self.src_offset + lo * self.src_stride[0],
+                self.dst_stride,
+                self.dst_offset + lo * self.dst_stride[0],
+            )
+            for lo, hi in itertools.pairwise(bounds)
+            if hi > lo
+        ]
+
+    def run(self, staging: torch.Tensor) -> None:
+        """Copy into `staging` (the whole ring as a 1-D tensor of the plan dtype)."""
+        src = self.base.as_strided(self.size, self.src_stride, self.src_offset)
+        dst = staging.as_strided(self.size, self.dst_stride, self.dst_offset)
+        dst.copy_(src, non_blocking=dst.device != src.device)
+
+
+def _contiguous_strides(size: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(size):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+def _single_op(source: SourceBox, slot_base: int, element_size: int) -> CopyOp:
+    tensor = source.tensor
+    stride = tensor.stride()
+    size = tuple(hi - lo for lo, hi in source.box)
+    offset = tensor.storage_offset() + sum(
+        lo * s for (lo, _), s in zip(source.box, stride, strict=True)
+    )
+    return CopyOp(
+        tensor,
+        size,
+        tuple(stride),
+        offset,
+        _contiguous_strides(size),
+        slot_base + source.slot_offset // element_size,
+    )
+
+
+def _signature(op: CopyOp) -> tuple:
+    base = op.base
+    return (
+        base.untyped_storage().data_ptr(),
+        base.dtype,
+        base.device,
+        op.size,
+        op.src_stride,
+    )
+
+
+def fuse_copies(sources: Sequence[SourceBox], *, slot_base: int, element_size: int) -> list[CopyOp]:
+    """The bucket's source boxes as few strided copies.
+
+    Args:
+        sources: the boxes, in slot order.
+        slot_base: element offset of the slot in the typed staging buffer.
+        element_size: bytes per staged element.
+
+    Returns:
+        Copies that together write exactly what copying every box would.
+    """
+    ops: list[CopyOp] = []
+    run: list[CopyOp] = []
+
+    def close() -> None:
+        if len(run) == 1:
+            ops.append(run[0])
+        elif run:
+            first = run[0]
+            ops.append(
+                CopyOp(
+                    first.base,
+                    (len(run), *first.size),
+                    (run[1].src_offset - first.src_offset, *first.src_stride),
+                    first.src_offset,
+                    (run[1].dst_offset - first.dst_offset, *first.dst_stride),
+                    first.dst_offset,
+                )
+            )
+        run.clear()
+
+    signature = None
+    for source in sources:
+        op = _single_op(source, slot_base, element_size)
+        op_signature = _signature(op)
+        if run and op_signature == signature:
+            src_step = op.src_offset - run[-1].src_offset
+            dst_step = op.dst_offset - run[-1].dst_offset
+            if len(run) == 1:
+                extends = src_step >= 0 and dst_step >= op.numel
+            else:
+                extends = (
+                    src_step == run[1].src_offset - run[0].src_offset
+                    and dst_step == run[1].dst_offset - run[0].dst_offset
+                )
+            if extends:
+                run.append(op)
+                continue
+        close()
+        run.append(op)
+        signature = op_signature
+    close()
+    return ops
+
+
+class SlotFiller:
+    """Runs a bucket's copies and zero fills into one slot of the staging ring."""
+
+    def __init__(self, *, num_workers: int) -> None:
+        """Create the filler; threads start on the first large host fill.
+
+        Args:
+            num_workers: threads that share a slot's copies (1 = the calling thread).
+        """
+        self._num_workers = num_workers
+        self._pool: ThreadPoolExecutor | None = None
+
+    def fill(
+        self,
+        bucket: Bucket,
+        *,
+        staging_bytes: torch.Tensor,
+        staging_typed: torch.Tensor,
+        slot_index: int,
+        slot_bytes: int,
+    ) -> int:
+        """Write `bucket` into slot `slot_index` and return the number of copies it took.
+
+        On CUDA the copies are only enqueued; the caller synchronises before the slot is read.
+
+        Args:
+            bucket: what the slot must hold.
+            staging_bytes: the ring as a 1-D uint8 tensor.
+            staging_typed: the same memory as a 1-D tensor of the plan dtype.
+            slot_index: which slot.
+            slot_bytes: bytes per slot.
+        """
+        with torch.no_grad():
+            return self._fill(bucket, staging_bytes, staging_typed, slot_index * slot_bytes)
+
+    def _fill(
+        self,
+        bucket: Bucket,
+        staging_bytes: torch.Tensor,
+        staging_typed: torch.Tensor,
+        slot_start: int,
+    ) -> int:
+        element_size = staging_typed.element_size()
+        for offset, num_bytes in bucket.zeros:
+            staging_bytes[slot_start + offset : slot_start + offset + num_bytes].zero_()
+        ops = fuse_copies(
+            bucket.sources, slot_base=slot_start // element_size, element_size=element_size
+        )
+        on_host = staging_typed.device.type == "cpu" and all(
+            op.base.device.type == "cpu" for op in ops
+        )
+        parallel = self._num_workers > 1 and on_host and bucket.num_bytes >= _MIN_PARALLEL_BYTES
+        if not parallel or not ops:
+            for op in ops:
+                op.run(staging_typed)
+            return len(ops)
+        chunks = _balance(ops, self._num_workers)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._num_workers, thread_name_prefix="weightsync-fill")
+        futures = [self._pool.submit(_run_all, chunk, staging_typed) for chunk in chunks[1:]]
+        _run_all(chunks[0], staging_typed)
+        for future in futures:
+            future.result()
+        return len(ops)
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _run_all(ops: Sequence[CopyOp], staging_typed: torch.Tensor) -> None:
+    with torch.no_grad():
+        for op in ops:
+            op.run(staging_typed)
+
+
+def _balance(ops: Sequence[CopyOp], parts: int) -> list[list[CopyOp]]:
+    """Split `ops` into `parts` lists of about equal elements, cutting large copies."""
+    total = sum(op.numel for op in ops)
+    share = -(-total // parts)
+    pieces: list[CopyOp] = []
+    for op in ops:
+        if op.numel > share and op.size[0] > 1:
+            pieces.extend(op.split(min(op.size[0], -(-op.numel // share))))
+        else:
+            pieces.append(op)
+    chunks: list[list[CopyOp]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for piece in pieces:
+        index = loads.index(min(loads))
+        chunks[index].append(piece)
+        loads[index] += piece.numel
+    return [chunk for chunk in chunks if chunk]

@@ -1,0 +1,207 @@
+"""`WeightSender`: one trainer rank's side of a sync, from its HF tensors to the targets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightsync.plan.items import SourcePlan
+from weightsync.plan.types import SourceHolding, TensorMeta
+from weightsync.sender.config import SenderConfig
+from weightsync.sender.fill import SlotFiller
+from weightsync.sender.push import PushRun
+from weightsync.sender.staging import StagingRing, transport_reads
+from weightsync.sender.stats import PushStats
+from weightsync.sender.writes import WriteQueue
+
+if TYPE_CHECKING:
+    from weightsync.transport import Transport
+
+
+class WeightSender:
+    """Executes one trainer rank's share of a sync plan.
+
+    Call protocol, on every rank of the trainer group:
+
+    1. ``holdings = sender.gather_holdings(export)`` (collective) and hand them, with the
+       rollout's targets, to `weightsync.plan.build_plan`;
+    2. ``sender.push(plan.for_source(sender.rank), export)`` after every optimizer step (the
+       plan is reused until the targets change);
+    3. ``release()`` before a trainer checkpoint save and ``restore()`` after it, if host
+       memory is tight;
+    4. ``close()`` at the end.
+
+    A push streams the tensors once. Each tensor the plan needs is packed, per destination
+    layout, into buckets of at most ``bucket_bytes``; each bucket is copied (and cast) into a
+    slot of a staging ring registered with the transport once, then written to every target
+    of its layout, adjacent runs coalesced. Filling the next slot overlaps the writes of the
+    previous one. Staging memory is ``num_slots * bucket_bytes``, on the host (pinned when
+    CUDA is available) or, for CUDA tensors and a transport that reads GPU memory, on the GPU.
+    The sender does not own the transport: closing it is the caller's job.
+    """
+
+    def __init__(self, config: SenderConfig, *, transport: Transport, group: Any = None) -> None:
+        """Create the sender; staging memory is allocated at the first push.
+
+        Args:
+            config: bucket size, workers, timeouts, staging placement.
+            transport: writes the bytes (a `weightsync.transport.Transport`).
+            group: the trainer's torch.distributed process group, or None for a single
+                process.
+        """
+        self.config = config
+        self.group = group
+        self._transport = transport
+        if group is None:
+            self.rank, self.world_size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        self._ring: StagingRing | None = None
+        self._filler = SlotFiller(num_workers=config.num_workers)
+        self._queue = WriteQueue(
+            transport,
+            timeout_s=config.timeout_s,
+            max_outstanding_per_peer=config.max_outstanding_per_peer,
+        )
+        self._declared: dict[str, tuple[int, ...]] = {}
+        self._closed = False
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging memory currently allocated (0 before the first push)."""
+        return self._ring.num_bytes if self._ring is not None and self._ring.allocated else 0
+
+    @property
+    def staging_device(self) -> torch.device | None:
+        """Where the staging ring lives, once the first push chose it."""
+        return self._ring.device if self._ring is not None else None
+
+    def holding(self, export: Any) -> SourceHolding:
+        """What this rank can produce, for the plan.
+
+        Args:
+            export: a `ModelExport` (anything with ``metas() -> {hf_name: TensorMeta}``), or
+                a mapping ``{hf_name: TensorMeta | torch.Tensor}``.
+
+        Returns:
+            ``SourceHolding(rank=self.rank, tensors=...)``; `push` later checks each tensor
+            against the shapes declared here.
+
+        Raises:
+            ValueError: `export` is none of the accepted kinds.
+        """
+        if hasattr(export, "metas"):
+            metas = dict(export.metas())
+        elif isinstance(export, Mapping):
+            metas = {
+                name: value
+                if isinstance(value, TensorMeta)
+                else TensorMeta(shape=tuple(value.shape), dtype=str(value.dtype))
+                for name, value in export.items()
+            }
+        else:
+            raise ValueError(
+                "holding() takes a ModelExport or a mapping {hf_name: TensorMeta | Tensor}, "
+                f"got {type(export).__name__}"
+            )
+        self._declared = {name: meta.shape for name, meta in metas.items()}
+        return SourceHolding(rank=self.rank, tensors=metas)
+
+    def gather_holdings(self, export: Any) -> list[SourceHolding]:
+        """Every rank's `holding`, by rank; collective over the group (every rank calls it)."""
+        mine = self.holding(export)
+        if self.world_size == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return sorted(gathered, key=lambda h: h.rank)
+
+    def push(self, plan: SourcePlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> PushStats:
+        """Write this rank's share of a sync into the plan's targets.
+
+        Args:
+            plan: ``sync_plan.for_source(self.rank)``.
+            tensors: this rank's PP-local ``(hf_name, tensor)`` stream (a `ModelExport`
+                works); any dtype, cast to ``plan.dtype``. Tensors the plan does not need
+                from this rank are skipped without a copy.
+
+        Returns:
+            What was staged and written, and how long it took.
+
+        Raises:
+            ValueError: a tensor the plan needs has a shape other than the one declared in
+                `holding` or too small for the plan's boxes, is yielded twice, or never comes
+                (raised when the stream ends, before the remaining buckets are written); a
+                bad tensor is reported before anything of its bucket is written.
+            TransferError: a write failed or timed out; names the target and parameters.
+        """
+        if self._closed:
+            raise ValueError("push() on a closed WeightSender")
+        run = PushRun(
+            plan,
+            config=self.config,
+            ring_for=self._ring_for,
+            filler=self._filler,
+            queue=self._queue,
+            declared_shapes=self._declared,
+        )
+        try:
+            return run.execute(tensors)
+        except BaseException:
+            self._queue.drain()
+            raise
+
+    def release(self) -> None:
+        """Unregister and free the staging memory (e.g. before a trainer checkpoint save)."""
+        self._queue.drain()
+        if self._ring is not None:
+            self._ring.free()
+
+    def restore(self) -> None:
+        """Allocate and register the staging memory again after `release` (no-op if unused)."""
+        if self._closed:
+            raise ValueError("restore() on a closed WeightSender")
+        if self._ring is not None:
+            self._ring.allocate()
+
+    def close(self) -> None:
+        """Free the staging memory and stop the worker threads; the sender is done."""
+        if self._closed:
+            return
+        self.release()
+        self._filler.close()
+        self._closed = True
+
+    def _ring_for(self, source_device: torch.device) -> StagingRing:
+        """The staging ring, allocated on first use where `config.staging` says."""
+        if self._ring is None:
+            self._ring = StagingRing(
+                transport=self._transport,
+                num_slots=self.config.num_slots,
+                slot_bytes=self.config.slot_bytes,
+                device=self._staging_device(source_device),
+                pin_memory=self.config.pin_memory,
+            )
+        self._ring.allocate()
+        return self._ring
+
+    def _staging_device(self, device: torch.device) -> torch.device:
+        staging = self.config.staging
+        if staging == "host":
+            return torch.device("cpu")
+        on_gpu = device.type == "cuda"
+        readable = on_gpu and transport_reads(self._transport, device)
+        if staging == "cuda" and not readable:
+            raise ValueError(
+                f"SenderConfig.staging='cuda' needs CUDA tensors and a transport that reads GPU "
+                f"memory; the tensors are on {device} and the transport "
+                f"{'does not' if on_gpu else 'was not asked'}; use staging='auto' or 'host'"
+            )
+        return device if readable else torch.device("cpu")

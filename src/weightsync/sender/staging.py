@@ -1,0 +1,117 @@
+"""`StagingRing`: the registered memory a sender stages buckets in before writing them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from weightsync.errors import WeightSyncError
+
+if TYPE_CHECKING:
+    from weightsync.transport import Transport
+
+
+def transport_reads(transport: Transport, device: torch.device) -> bool:
+    """Whether `transport` can read registered memory on `device`.
+
+    Host memory is always readable. For other devices the transport is asked through its
+    optional ``supports_device(device) -> bool``; a transport without it reads host memory only.
+    """
+    if device.type == "cpu":
+        return True
+    supports = getattr(transport, "supports_device", None)
+    return bool(callable(supports) and supports(device))
+
+
+class StagingRing:
+    """``num_slots`` slots of ``slot_bytes`` each, in one buffer registered once.
+
+    Call protocol: `allocate` (registers the buffer with the transport), use `slot_addr` and
+    the tensor views while allocated, `free` (unregisters, then drops the memory) around a
+    trainer checkpoint save and `allocate` again after it.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        num_slots: int,
+        slot_bytes: int,
+        device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        """Describe the ring; nothing is allocated until `allocate`.
+
+        Args:
+            transport: registers the buffer so that it can read it.
+            num_slots: number of slots.
+            slot_bytes: bytes per slot (a multiple of 64).
+            device: where the buffer lives (``cpu`` or a CUDA device).
+            pin_memory: pin a host buffer (ignored on CUDA).
+        """
+        self._transport = transport
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.device = device
+        self._pin = pin_memory and device.type == "cpu"
+        self._buffer: torch.Tensor | None = None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffer exists and is registered."""
+        return self._buffer is not None
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the ring holds when allocated."""
+        return self.num_slots * self.slot_bytes
+
+    def allocate(self) -> None:
+        """Allocate the buffer and register it with the transport (no-op when allocated).
+
+        Raises:
+            WeightSyncError: the transport refused the registration.
+        """
+        if self._buffer is not None:
+            return
+        buffer = torch.empty(
+            self.num_bytes, dtype=torch.uint8, device=self.device, pin_memory=self._pin
+        )
+        try:
+            self._transport.register(buffer.data_ptr(), self.num_bytes)
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise WeightSyncError(
+                f"registering {self.num_bytes} bytes of {self.device} staging memory with the "
+                f"transport failed: {exc}"
+            ) from exc
+        self._buffer = buffer
+
+    def free(self) -> None:
+        """Unregister the buffer and drop it (no-op when not allocated)."""
+        if self._buffer is None:
+            return
+        buffer, self._buffer = self._buffer, None
+        self._typed.clear()
+        self._transport.unregister(buffer.data_ptr())
+        del buffer
+
+    def as_bytes(self) -> torch.Tensor:
+        """The whole ring as a 1-D uint8 tensor."""
+        if self._buffer is None:
+            raise WeightSyncError("the staging ring is not allocated")
+        return self._buffer
+
+    def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole ring as a 1-D tensor of `dtype` (a view of the same memory)."""
+        view = self._typed.get(dtype)
+        if view is None:
+            view = self._typed[dtype] = self.as_bytes().view(dtype)
+        return view
+
+    def slot_addr(self, slot: int) -> int:
+        """Address of slot `slot`'s first byte."""
+        return self.as_bytes().data_ptr() + slot * self.slot_bytes

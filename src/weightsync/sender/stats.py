@@ -1,0 +1,42 @@
+"""`PushStats`: what one `WeightSender.push` moved and how long it took."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushStats:
+    """Counters and timings of one push from one trainer rank.
+
+    Attributes:
+        bytes_staged: bytes copied into the staging ring (each layout's bytes once).
+        bytes_written: bytes written over all targets.
+        num_writes: transport write requests over all targets, after coalescing.
+        num_regions: destination regions over all targets, before coalescing.
+        num_buckets: staging slots filled (one per bucket and layout).
+        num_copies: copies into staging after fusing (many small expert tensors that are
+            views of one fused parameter take one strided copy).
+        seconds: wall time of the push.
+        fill_seconds: wall time spent filling staging slots.
+        write_seconds: wall time spent submitting writes and waiting for them (what the
+            fills did not hide).
+        bytes_per_target: bytes written to each target, by session id.
+    """
+
+    bytes_staged: int
+    bytes_written: int
+    num_writes: int
+    num_regions: int
+    num_buckets: int
+    num_copies: int
+    seconds: float
+    fill_seconds: float
+    write_seconds: float
+    bytes_per_target: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def write_gbps(self) -> float:
+        """Bytes written per second of the push, in GB/s (10^9 bytes)."""
+        return self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0

@@ -1,0 +1,220 @@
+"""Writes from a staging slot to the targets: coalescing, flow control, errors by parameter."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from weightsync.errors import TransferError
+from weightsync.plan.types import TargetRank
+from weightsync.sender.buckets import Region
+
+if TYPE_CHECKING:
+    from weightsync.transport import Transport
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Write:
+    """One transport write request and the parameter its bytes belong to.
+
+    Attributes:
+        src_addr: staging address.
+        dst_addr: target address.
+        num_bytes: length.
+        param_name: the parameter written.
+    """
+
+    src_addr: int
+    dst_addr: int
+    num_bytes: int
+    param_name: str
+
+
+def coalesce(
+    regions: Sequence[Region], *, slot_addr: int, weights_info: Mapping[str, tuple[int, int, int]]
+) -> list[Write]:
+    """The regions of one slot as writes to one target, adjacent runs merged.
+
+    Two consecutive regions merge when they belong to the same parameter and are contiguous
+    in the slot and in the target's memory (``dst = weights_info[param][0] +
+    dst_offset_bytes``). Runs of different parameters are never merged, even when the
+    parameters happen to sit next to each other: the target registered each parameter as
+    its own region, and a write may not cross registrations (an RDMA key or a CUDA IPC
+    mapping covers one region).
+
+    Raises:
+        ValueError: a region's parameter is not in the target's ``weights_info``.
+    """
+    merged: list[list[Any]] = []  # [src, dst, num_bytes, param_name]
+    for region in regions:
+        entry = weights_info.get(region.param_name)
+        if entry is None:
+            raise ValueError(
+                f"parameter {region.param_name!r} is not in the target's weights_info; the plan "
+                "does not match the target it was built for"
+            )
+        src = slot_addr + region.slot_offset
+        dst = entry[0] + region.dst_offset_bytes
+        if merged:
+            last = merged[-1]
+            if (
+                last[3] == region.param_name
+                and last[0] + last[2] == src
+                and last[1] + last[2] == dst
+            ):
+                last[2] += region.num_bytes
+                continue
+        merged.append([src, dst, region.num_bytes, region.param_name])
+    return [
+        Write(src_addr=src, dst_addr=dst, num_bytes=n, param_name=param)
+        for src, dst, n, param in merged
+    ]
+
+
+@dataclass(slots=True, kw_only=True)
+class _Batch:
+    handle: Any
+    target: TargetRank
+    writes: Sequence[Write]
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Peer:
+    batches: deque[_Batch] = field(default_factory=deque)
+    outstanding: int = 0
+
+
+class WriteQueue:
+    """Submits writes without blocking, keeps each peer under its limit, waits per slot.
+
+    Call protocol: `submit` the writes of a slot; `wait_slot` before the slot is refilled;
+    `wait_all` at the end of a push; `drain` after a failure, before the memory is reused.
+    Every wait raises `TransferError` naming the target and the parameters of the failed
+    bytes.
+    """
+
+    def __init__(
+        self, transport: Transport, *, timeout_s: float, max_outstanding_per_peer: int
+    ) -> None:
+        """Bind the queue to a transport.
+
+        Args:
+            transport: does the writes.
+            timeout_s: how long one batch may take.
+            max_outstanding_per_peer: most write requests in flight to one session.
+        """
+        self._transport = transport
+        self._timeout_s = timeout_s
+        self._limit = max_outstanding_per_peer
+        self._peers: dict[str, _Peer] = defaultdict(_Peer)
+        self._slots: dict[int, list[_Batch]] = defaultdict(list)
+
+    def submit(self, target: TargetRank, writes: Sequence[Write], *, slot: int) -> None:
+        """Start `writes` to `target`; they read slot `slot` until `wait_slot(slot)`.
+
+        Raises:
+            TransferError: the transport refused a batch, or an earlier batch to the same
+                peer failed while making room.
+        """
+        peer = self._peers[target.session_id]
+        for start in range(0, len(writes), self._limit):
+            chunk = writes[start : start + self._limit]
+            while peer.batches and peer.outstanding + len(chunk) > self._limit:
+                self._wait(peer.batches[0])
+            try:
+                handle = self._transport.write(
+                    target.session_id,
+                    [w.src_addr for w in chunk],
+                    [w.dst_addr for w in chunk],
+                    [w.num_bytes for w in chunk],
+                )
+            except TransferError as exc:
+                raise _named(exc, target, chunk) from exc
+            batch = _Batch(handle=handle, target=target, writes=chunk)
+            peer.batches.append(batch)
+            peer.outstanding += len(chunk)
+            self._slots[slot].append(batch)
+
+    def wait_slot(self, slot: int) -> None:
+        """Wait for every write that reads slot `slot`.
+
+        Raises:
+            TransferError: one of them failed or timed out.
+        """
+        batches = self._slots.pop(slot, [])
+        for index, batch in enumerate(batches):
+            try:
+                self._wait(batch)
+            except TransferError:
+                self._slots[slot] = batches[index + 1 :]
+                raise
+
+    def wait_all(self) -> None:
+        """Wait for every write submitted so far.
+
+        Raises:
+            TransferError: one of them failed or timed out.
+        """
+        for slot in list(self._slots):
+            self.wait_slot(slot)
+
+    def drain(self) -> None:
+        """Wait for what is still in flight, ignoring errors, within one timeout overall.
+
+        Used after a failure so that staging memory is not refilled while the transport may
+        still read it; a write that outlives the timeout may still land later.
+        """
+        deadline = time.monotonic() + self._timeout_s
+        for slot in list(self._slots):
+            for batch in self._slots.pop(slot):
+                if batch.done:
+                    continue
+                remaining = max(deadline - time.monotonic(), 0.01)
+                with contextlib.suppress(TransferError):
+                    self._transport.wait(batch.handle, remaining)
+                self._finish(batch)
+
+    def _wait(self, batch: _Batch) -> None:
+        if batch.done:
+            return
+        try:
+            self._transport.wait(batch.handle, self._timeout_s)
+        except TransferError as exc:
+            self._finish(batch)
+            raise _named(exc, batch.target, batch.writes) from exc
+        self._finish(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        batch.done = True
+        peer = self._peers[batch.target.session_id]
+        peer.outstanding -= len(batch.writes)
+        while peer.batches and peer.batches[0].done:
+            peer.batches.popleft()
+
+
+def _named(exc: TransferError, target: TargetRank, writes: Sequence[Write]) -> TransferError:
+    """`exc` again, with the target and the parameters of the failed bytes in the message."""
+    failed = [
+        w
+        for w in writes
+        if not exc.byte_ranges
+        or any(
+            w.dst_addr < addr + num_bytes and addr < w.dst_addr + w.num_bytes
+            for addr, num_bytes in exc.byte_ranges
+        )
+    ] or list(writes)
+    params = list(dict.fromkeys(w.param_name for w in failed))
+    shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+    num_bytes = sum(w.num_bytes for w in failed)
+    return TransferError(
+        f"writing {num_bytes} bytes of {shown} to {target.label} failed: {exc}",
+        target_session=target.session_id,
+        byte_ranges=[(w.dst_addr, w.num_bytes) for w in failed[:16]],
+        return_code=exc.return_code,
+        param_name=params[0] if params else None,
+    )

@@ -1,0 +1,349 @@
+"""`WeightSender` over real Mooncake TCP into receiver processes on 127.0.0.1.
+
+One receiver process (tests/sender_peer.py) holds three rollout layouts with one transport per
+rank: tiny qwen3 at tp=2, tiny qwen3-moe at tp=2/ep=2 and a ~120 MB qwen3 at tp=1. Senders
+push fp32 trainer tensors into the bf16 rollout parameters; the receiver compares them with
+`shard_state_dict` of the same seeded model, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from weightsync.checkpoint import preset_config, random_model
+from weightsync.errors import TransferError
+from weightsync.plan import SourceHolding, TargetRank, build_plan
+from weightsync.sender import ModelExport, SenderConfig, WeightSender
+from weightsync.transport import MooncakeConfig, MooncakeTransport
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+PEER = Path(__file__).with_name("sender_peer.py")
+TINY = preset_config("tiny")
+MOE = preset_config("tiny-moe", num_experts=32)
+# ~58M parameters: 232 MB of fp32 trainer tensors, 116 MB of bf16 rollout parameters.
+LARGE = preset_config("small", num_hidden_layers=16)
+GROUPS = [
+    {"name": "tiny", "model": TINY, "tp": 2, "ep": 1},
+    {"name": "moe", "model": MOE, "tp": 2, "ep": 2},
+    {"name": "large", "model": LARGE, "tp": 1, "ep": 1},
+]
+MODELS = {group["name"]: group["model"] for group in GROUPS}
+STARTUP_S = 120.0
+REPLY_S = 60.0
+
+
+def _peer_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class Receiver:
+    """A receiver process and its JSON line protocol (see tests/sender_peer.py)."""
+
+    def __init__(self, groups: list[dict[str, Any]], *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), "receive", "--groups", json.dumps(groups), *extra],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_peer_env(),
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self._next(STARTUP_S)
+        self._targets: list[dict[str, Any]] = ready["targets"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")
+
+    def _next(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"receiver sent nothing within {timeout_s} s") from None
+        if not line:
+            raise AssertionError(f"receiver exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def target_ranks(self, group: str) -> list[TargetRank]:
+        """The `TargetRank`s the receiver published for `group`."""
+        return [
+            TargetRank(**{k: v for k, v in t.items() if k != "group"})
+            for t in self._targets
+            if t["group"] == group
+        ]
+
+    def target_dicts(self, group: str) -> list[dict[str, Any]]:
+        """The same, as the JSON the receiver printed (for sender processes)."""
+        return [
+            {k: v for k, v in t.items() if k != "group"}
+            for t in self._targets
+            if t["group"] == group
+        ]
+
+    def call(self, **command: Any) -> dict[str, Any]:
+        """Send one command and return its reply."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._next(REPLY_S)
+
+    def close(self) -> None:
+        """Ask the process to quit; kill it if it does not."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(AssertionError, BrokenPipeError):
+                self.call(cmd="quit")
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    peer = Receiver(GROUPS)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[MooncakeTransport]:
+    engine = MooncakeTransport(MooncakeConfig(timeout_s=5.0))
+    yield engine
+    engine.close()
+
+
+def _config(**overrides: Any) -> SenderConfig:
+    return SenderConfig(**{"bucket_bytes": 64 << 20, "num_workers": 2, **overrides})
+
+
+def _plan_for(sender: WeightSender, export: Any, receiver: Receiver, group: str):
+    holdings = sender.gather_holdings(export)
+    return build_plan(
+        hf_config=MODELS[group],
+        targets=receiver.target_ranks(group),
+        sources=holdings,
+        dtype="bfloat16",
+    )
+
+
+def _assert_exact(receiver: Receiver, group: str, seed: int) -> None:
+    reply = receiver.call(cmd="check", group=group, seed=seed)
+    assert reply["mismatched"] == [], reply
+
+
+def test_push_fp32_into_bf16_tp2_is_bit_exact(receiver: Receiver, transport) -> None:
+    receiver.call(cmd="fill", group="tiny", value=7.0)
+    sender = WeightSender(_config(), transport=transport)
+    export = ModelExport(random_model(TINY, seed=1))
+    plan = _plan_for(sender, export, receiver, "tiny")
+    stats = sender.push(plan.for_source(0), export)
+    _assert_exact(receiver, "tiny", seed=1)
+
+    source_plan = plan.for_source(0)
+    assert stats.bytes_written == source_plan.num_bytes_written
+    assert stats.bytes_staged == source_plan.num_bytes_staged
+    assert stats.bytes_per_target == {
+        t.session_id: stats.bytes_written // 2 for t in receiver.target_ranks("tiny")
+    }
+    assert 0 < stats.num_writes <= stats.num_regions
+    assert sender.staging_bytes == 2 * (64 << 20)
+    assert sender.staging_device == torch.device("cpu")
+
+    # New weights through the same plan and staging ring.
+    model = random_model(TINY, seed=2)
+    sender.push(plan.for_source(0), ModelExport(model))
+    _assert_exact(receiver, "tiny", seed=2)
+
+    # Around a checkpoint save: the staging memory goes away and comes back.
+    sender.release()
+    assert sender.staging_bytes == 0
+    sender.restore()
+    assert sender.staging_bytes == 2 * (64 << 20)
+    receiver.call(cmd="fill", group="tiny", value=7.0)
+    sender.push(plan.for_source(0), ModelExport(model))
+    _assert_exact(receiver, "tiny", seed=2)
+    sender.close()
+    with pytest.raises(ValueError, match="closed"):
+        sender.push(plan.for_source(0), ModelExport(model))
+
+
+def test_small_buckets_split_items_over_many_slots(receiver: Receiver, transport) -> None:
+    receiver.call(cmd="fill", group="tiny", value=7.0)
+    sender = WeightSender(
+        _config(bucket_bytes=4096, num_slots=3, num_workers=2), transport=transport
+    )
+    export = ModelExport(random_model(TINY, seed=4))
+    plan = _plan_for(sender, export, receiver, "tiny")
+    stats = sender.push(plan.for_source(0), export)
+    _assert_exact(receiver, "tiny", seed=4)
+    # Every slot but the last per layout is full; the embedding shard alone is 64 KiB.
+    assert stats.num_buckets >= stats.bytes_staged // 4096
+    assert sender.staging_bytes == 3 * 4096
+    sender.close()
+
+
+def test_moe_experts_go_out_as_few_large_writes(receiver: Receiver, transport) -> None:
+    receiver.call(cmd="fill", group="moe", value=7.0)
+    sender = WeightSender(_config(), transport=transport)
+    export = ModelExport(random_model(MOE, seed=5))
+    plan = _plan_for(sender, export, receiver, "moe")
+    stats = sender.push(plan.for_source(0), export)
+    _assert_exact(receiver, "moe", seed=5)
+    targets = receiver.target_ranks("moe")
+    num_params = sum(len(t.weights_info) for t in targets)
+    num_expert_tensors = sum(1 for name in plan.for_source(0).work if ".experts." in name)
+    # One write per parameter (w13 / w2 of all local experts in one), not one per expert.
+    assert num_params <= stats.num_writes <= num_params * 5 // 4, (stats, num_params)
+    assert num_expert_tensors > 3 * num_params
+    # Staging fills are batched too: an expert block's views of one fused parameter are
+    # copied with one strided copy per layout, not one per expert.
+    assert stats.num_copies < num_expert_tensors // 2, (stats, num_expert_tensors)
+    sender.close()
+
+
+def _without(export: ModelExport, skipped: str) -> Iterator[tuple[str, torch.Tensor]]:
+    return ((name, tensor) for name, tensor in export if name != skipped)
+
+
+def _reshaped(export: ModelExport, name: str, rows: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for hf_name, tensor in export:
+        if hf_name == name:
+            tensor = torch.zeros(tensor.shape[0] + rows, *tensor.shape[1:])
+        yield hf_name, tensor
+
+
+def test_bad_stream_fails_before_any_write(receiver: Receiver, transport) -> None:
+    receiver.call(cmd="fill", group="tiny", value=5.0)
+    sender = WeightSender(_config(), transport=transport)
+    export = ModelExport(random_model(TINY, seed=6))
+    plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
+
+    missing = "model.layers.2.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=f"ended without '{missing}'"):
+        sender.push(plan, _without(export, missing))
+    wrong = "model.layers.1.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(65, 64\).*\(64, 64\)"):
+        sender.push(plan, _reshaped(export, wrong, rows=1))
+    # Shorter than the plan's boxes is caught without a declared holding too.
+    bare = WeightSender(_config(), transport=transport)
+    with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(63, 64\).*reads box"):
+        bare.push(plan, _reshaped(export, wrong, rows=-1))
+    assert receiver.call(cmd="unchanged", group="tiny", value=5.0)["changed"] == []
+    bare.close()
+    sender.close()
+
+
+def test_dead_receiver_raises_transfer_error_naming_it(receiver: Receiver, transport) -> None:
+    doomed = Receiver([{"name": "doomed", "model": TINY, "tp": 1, "ep": 1}])
+    targets = doomed.target_ranks("doomed")
+    doomed.proc.kill()
+    doomed.proc.wait()
+    sender = WeightSender(_config(timeout_s=10.0), transport=transport)
+    export = ModelExport(random_model(TINY, seed=7))
+    holdings = sender.gather_holdings(export)
+    plan = build_plan(hf_config=TINY, targets=targets, sources=holdings, dtype="bfloat16")
+    with pytest.raises(TransferError) as caught:
+        sender.push(plan.for_source(0), export)
+    session = targets[0].session_id
+    assert caught.value.target_session == session
+    assert f"replica doomed rank 0 (session {session})" in str(caught.value)
+    assert caught.value.param_name is not None and caught.value.param_name in str(caught.value)
+
+    # The sender is still usable for live targets.
+    receiver.call(cmd="fill", group="tiny", value=7.0)
+    live = _plan_for(sender, export, receiver, "tiny")
+    sender.push(live.for_source(0), export)
+    _assert_exact(receiver, "tiny", seed=7)
+    sender.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_senders(
+    tmp_path: Path, receiver: Receiver, group: str, world_size: int, *extra: str
+) -> list[dict[str, Any]]:
+    spec = tmp_path / "targets.json"
+    spec.write_text(json.dumps({"model": MODELS[group], "targets": receiver.target_dicts(group)}))
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(PEER), "send", "--targets", str(spec), *extra],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **_peer_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for rank in range(world_size)
+    ]
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=STARTUP_S)
+        assert proc.returncode == 0, out
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    return outputs
+
+
+def test_two_pipeline_stages_push_from_a_gloo_group(tmp_path: Path, receiver: Receiver) -> None:
+    receiver.call(cmd="fill", group="tiny", value=7.0)
+    results = _run_senders(tmp_path, receiver, "tiny", 2, "--pp", "2", "--seed", "8")
+    _assert_exact(receiver, "tiny", seed=8)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["pushes"][0]["bytes_written"] > 0 for r in results)
+
+
+def test_host_memory_stays_within_two_buckets(tmp_path: Path, receiver: Receiver) -> None:
+    bucket = 8 << 20
+    (result,) = _run_senders(
+        tmp_path, receiver, "large", 1,
+        "--bucket-bytes", str(bucket), "--repeats", "2", "--seed", "9", "--measure-memory",
+    )  # fmt: skip
+    _assert_exact(receiver, "large", seed=9)
+    bound = 2 * bucket + (16 << 20)
+    first, second = result["pushes"]
+    assert first["staging_bytes"] == 2 * bucket
+    assert first["bytes_written"] > 100e6
+    # A bf16 copy of the model would be far above the bound.
+    assert result["model_bytes"] // 2 > 3 * bound
+    assert first["peak_rss_growth_bytes"] <= bound, first
+    # The second push reuses the ring: no new staging memory.
+    assert second["peak_rss_growth_bytes"] <= 16 << 20, second
+
+
+def test_holding_accepts_exports_and_mappings(transport) -> None:
+    sender = WeightSender(_config(), transport=transport)
+    model = random_model(TINY)
+    from_export = sender.holding(ModelExport(model))
+    from_mapping = sender.holding(dict(ModelExport(model)))
+    assert isinstance(from_export, SourceHolding) and from_export.rank == 0
+    assert from_export == from_mapping
+    assert sender.gather_holdings(ModelExport(model)) == [from_export]
+    with pytest.raises(ValueError, match="ModelExport or a mapping"):
+        sender.holding([("x", torch.zeros(1))])
+    sender.close()

@@ -1,0 +1,239 @@
+"""The sender's pure parts: box ranges, bucket packing, fused fills, coalescing, config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.plan import CopyItem
+from weightsync.sender import SenderConfig
+from weightsync.sender.buckets import BucketPacker, Region, SourceBox, box_range
+from weightsync.sender.fill import SlotFiller, fuse_copies
+from weightsync.sender.writes import coalesce
+
+
+def _read(tensor: torch.Tensor, box) -> torch.Tensor:
+    return tensor[tuple(slice(lo, hi) for lo, hi in box)].reshape(-1)
+
+
+@st.composite
+def _box_and_range(draw):
+    ndim = draw(st.integers(1, 4))
+    shape = [draw(st.integers(1, 5)) for _ in range(ndim)]
+    box = []
+    for dim in shape:
+        lo = draw(st.integers(0, dim - 1))
+        box.append((lo, draw(st.integers(lo + 1, dim))))
+    numel = math.prod(hi - lo for lo, hi in box)
+    start = draw(st.integers(0, numel))
+    return shape, tuple(box), start, draw(st.integers(start, numel))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_box_and_range())
+def test_box_range_covers_exactly_the_elements(case) -> None:
+    shape, box, start, stop = case
+    tensor = torch.arange(math.prod(shape)).reshape(shape)
+    boxes = box_range(box, start, stop)
+    assert len(boxes) <= 2 * len(box) - 1
+    got = (
+        torch.cat([_read(tensor, b) for b in boxes]) if boxes else torch.empty(0, dtype=torch.long)
+    )
+    assert torch.equal(got, _read(tensor, box)[start:stop])
+
+
+def _ops_result(sources, numel: int, dtype=torch.bfloat16) -> torch.Tensor:
+    staging = torch.zeros(numel, dtype=dtype)
+    for op in fuse_copies(sources, slot_base=0, element_size=staging.element_size()):
+        op.run(staging)
+    return staging
+
+
+def test_fused_copies_of_expert_halves_are_one_copy() -> None:
+    experts, inter, hidden = 16, 6, 4
+    fused = torch.randn(experts, 2 * inter, hidden)
+    half = inter // 2  # tensor-parallel rank 1 of 2: rows [half, inter) of gate and of up
+    sources, expected, offset = [], [], 0
+    for e in range(experts):
+        for part in (fused[e, :inter], fused[e, inter:]):  # per-expert views, as the export makes
+            box = ((half, inter), (0, hidden))
+            sources.append(SourceBox(tensor=part, box=box, slot_offset=offset * 2))
+            expected.append(_read(part, box))
+            offset += half * hidden
+    ops = fuse_copies(sources, slot_base=0, element_size=2)
+    assert len(ops) == 1
+    assert torch.equal(_ops_result(sources, offset), torch.cat(expected).to(torch.bfloat16))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 3)), max_size=12))
+def test_fused_copies_equal_box_by_box_copies(spec) -> None:
+    # Boxes of rows from a few tensors (two sharing one storage), in any order.
+    base = torch.randn(4, 8, 3)
+    tensors = [base[0], base[1], torch.randn(8, 3), base[3].t()]
+    sources, expected, offset = [], [], 0
+    for which, row, rows in spec:
+        tensor = tensors[which]
+        row = min(row, tensor.shape[0] - 1)
+        rows = min(rows, tensor.shape[0] - row)
+        box = ((row, row + rows), (0, tensor.shape[1]))
+        sources.append(SourceBox(tensor=tensor, box=box, slot_offset=offset * 4))
+        expected.append(_read(tensor, box))
+        offset += rows * tensor.shape[1]
+    got = _ops_result(sources, offset, torch.float32)
+    want = torch.cat(expected) if expected else torch.empty(0)
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(8, 200), st.sampled_from([1, 2, 3]))
+def test_packer_splits_items_across_slots(slot_elements: int, num_workers: int) -> None:
+    element_size = 2
+    a, b = torch.randn(10, 7), torch.randn(3, 5, 4)
+    items_a = [
+        CopyItem(
+            hf_name="a", src_box=((2, 10), (1, 7)), param_name="p", dst_offset_bytes=0, num_bytes=96
+        ),
+        CopyItem(hf_name=None, src_box=(), param_name="p", dst_offset_bytes=96, num_bytes=10),
+    ]
+    items_b = [
+        CopyItem(
+            hf_name="b",
+            src_box=((0, 3), (1, 5), (0, 4)),
+            param_name="q",
+            dst_offset_bytes=4,
+            num_bytes=96,
+        )
+    ]
+    dst = {
+        "p": torch.full((53,), 7.0, dtype=torch.bfloat16),
+        "q": torch.full((50,), 7.0, dtype=torch.bfloat16),
+    }
+    expected = {k: v.clone() for k, v in dst.items()}
+    expected["p"][:48] = _read(a, items_a[0].src_box).to(torch.bfloat16)
+    expected["p"][48:53] = 0
+    expected["q"][2:50] = _read(b, items_b[0].src_box).to(torch.bfloat16)
+    packer = BucketPacker(
+        layout_id=0,
+        slot_bytes=slot_elements * element_size,
+        element_size=element_size,
+        dst_address=lambda p, o: (0 if p == "p" else 1 << 20) + o,
+    )
+    buckets = packer.add(a, items_a) + packer.add(b, items_b)
+    last = packer.flush()
+    buckets += [last] if last else []
+    filler = SlotFiller(num_workers=num_workers)
+    for bucket in buckets:
+        assert bucket.num_bytes <= slot_elements * element_size
+        assert sum(r.num_bytes for r in bucket.regions) == bucket.num_bytes
+        staging = torch.full((slot_elements,), 3.0, dtype=torch.bfloat16)
+        filler.fill(
+            bucket,
+            staging_bytes=staging.view(torch.uint8),
+            staging_typed=staging,
+            slot_index=0,
+            slot_bytes=slot_elements * 2,
+        )
+        raw = staging.view(torch.uint8)
+        for region in bucket.regions:
+            target = dst[region.param_name].view(torch.uint8)
+            target[region.dst_offset_bytes : region.dst_offset_bytes + region.num_bytes] = raw[
+                region.slot_offset : region.slot_offset + region.num_bytes
+            ]
+    filler.close()
+    assert all(torch.equal(dst[k], expected[k]) for k in dst)
+
+
+def test_coalesce_merges_runs_of_one_parameter_adjacent_in_slot_and_target() -> None:
+    regions = [
+        Region(slot_offset=0, num_bytes=8, param_name="w13", dst_offset_bytes=0, hf_name="g0"),
+        Region(slot_offset=8, num_bytes=8, param_name="w13", dst_offset_bytes=8, hf_name="u0"),
+        Region(slot_offset=16, num_bytes=4, param_name="w2", dst_offset_bytes=0, hf_name="d0"),
+        Region(slot_offset=20, num_bytes=4, param_name="w2", dst_offset_bytes=4, hf_name="d1"),
+        Region(slot_offset=24, num_bytes=4, param_name="w2", dst_offset_bytes=12, hf_name="d2"),
+    ]
+    # w2 right after w13 in memory: still two writes, one per registered parameter.
+    info = {"w13": (1000, 8, 2), "w2": (1016, 8, 2)}
+    writes = coalesce(regions, slot_addr=50, weights_info=info)
+    assert [(w.src_addr, w.dst_addr, w.num_bytes, w.param_name) for w in writes] == [
+        (50, 1000, 16, "w13"),
+        (66, 1016, 8, "w2"),
+        (74, 1028, 4, "w2"),
+    ]
+    with pytest.raises(ValueError, match="'w2'"):
+        coalesce(regions, slot_addr=50, weights_info={"w13": (1000, 8, 2)})
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+        ({"bucket_bytes": 32}, "at least 64"),
+        ({"num_workers": 0}, "num_workers"),
+        ({"num_slots": 0}, "num_slots"),
+        ({"timeout_s": 0.0}, "timeout_s"),
+        ({"staging": "disk"}, "staging"),
+        ({"max_outstanding_per_peer": 0}, "max_outstanding"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        SenderConfig(**kwargs)
+
+
+def test_config_defaults() -> None:
+    config = SenderConfig()
+    assert (config.bucket_bytes, config.num_workers, config.timeout_s, config.num_slots) == (
+        1 << 30,
+        4,
+        30.0,
+        2,
+    )
+    assert config.pin_memory == torch.cuda.is_available()
+    assert SenderConfig(bucket_bytes=1000).slot_bytes == 960
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            SenderConfig(pin_memory=True)
+    with pytest.raises(TypeError):
+        SenderConfig(1024)  # type: ignore[misc]  # keyword-only
+
+
+def test_worker_threads_fill_large_slots_like_one_thread() -> None:
+    # 8 MiB of bf16 in one slot: large enough for the fill to be split across threads.
+    fused = torch.randn(4, 1024, 1024)
+    items = [
+        CopyItem(
+            hf_name="w",
+            src_box=((e, e + 1), (0, 1024), (0, 1024)),
+            param_name="p",
+            dst_offset_bytes=e * (2 << 20),
+            num_bytes=2 << 20,
+        )
+        for e in range(4)
+    ] + [CopyItem(hf_name=None, src_box=(), param_name="p", dst_offset_bytes=8 << 20, num_bytes=64)]
+    packer = BucketPacker(
+        layout_id=0, slot_bytes=16 << 20, element_size=2, dst_address=lambda p, o: o
+    )
+    assert packer.add(fused, items) == []
+    bucket = packer.flush()
+    results = []
+    for num_workers in (1, 3):
+        staging = torch.full(((16 << 20) // 2,), 5.0, dtype=torch.bfloat16)
+        filler = SlotFiller(num_workers=num_workers)
+        filler.fill(
+            bucket,
+            staging_bytes=staging.view(torch.uint8),
+            staging_typed=staging,
+            slot_index=0,
+            slot_bytes=16 << 20,
+        )
+        filler.close()
+        results.append(staging)
+    expected = torch.cat(
+        [fused.reshape(-1).to(torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)]
+    )
+    assert all(torch.equal(r[: expected.numel()], expected) for r in results)

@@ -1,0 +1,86 @@
+"""`WeightSender` from CUDA tensors: GPU staging over CUDA IPC, pinned host staging over Mooncake.
+
+Run on a GPU machine with ``pytest -m gpu tests/test_sender_gpu.py``; the receiver's
+parameters live on the second GPU when there is one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from test_sender import MODELS, MOE, TINY, Receiver, _assert_exact, _config, _plan_for
+from weightsync.checkpoint import random_model
+from weightsync.sender import ModelExport, WeightSender
+from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+GPU_GROUPS = [
+    {"name": "tiny", "model": TINY, "tp": 2, "ep": 1},
+    {"name": "moe", "model": MOE, "tp": 2, "ep": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_receiver() -> Iterator[Receiver]:
+    device = 1 if torch.cuda.device_count() > 1 else 0
+    peer = Receiver(GPU_GROUPS, "--cuda-device", str(device))
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def ipc() -> Iterator[CudaIpcTransport]:
+    transport = CudaIpcTransport(0)
+    yield transport
+    transport.close()
+
+
+@pytest.mark.parametrize("group", ["tiny", "moe"])
+def test_cuda_tensors_stage_on_the_gpu(gpu_receiver: Receiver, ipc, group: str) -> None:
+    gpu_receiver.call(cmd="fill", group=group, value=7.0)
+    sender = WeightSender(_config(bucket_bytes=1 << 16), transport=ipc)
+    export = ModelExport(random_model(MODELS[group], seed=11).to("cuda:0"))
+    plan = _plan_for(sender, export, gpu_receiver, group)
+    stats = sender.push(plan.for_source(0), export)
+    _assert_exact(gpu_receiver, group, seed=11)
+    assert sender.staging_device == torch.device("cuda", 0)
+    assert stats.num_buckets > 2  # small slots: the ring wraps around
+    sender.close()
+
+
+def test_host_staging_from_cuda_tensors(gpu_receiver: Receiver, ipc) -> None:
+    gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
+    sender = WeightSender(_config(staging="host", bucket_bytes=1 << 16), transport=ipc)
+    export = ModelExport(random_model(TINY, seed=12).to("cuda:0"))
+    plan = _plan_for(sender, export, gpu_receiver, "tiny")
+    sender.push(plan.for_source(0), export)
+    _assert_exact(gpu_receiver, "tiny", seed=12)
+    assert sender.staging_device == torch.device("cpu")
+    sender.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="needs Mooncake")
+def test_cuda_tensors_over_mooncake() -> None:
+    receiver = Receiver([{"name": "tiny", "model": TINY, "tp": 2, "ep": 1}])
+    transport = MooncakeTransport(MooncakeConfig(timeout_s=5.0))
+    try:
+        receiver.call(cmd="fill", group="tiny", value=7.0)
+        sender = WeightSender(_config(), transport=transport)
+        export = ModelExport(random_model(TINY, seed=13).to("cuda:0"))
+        plan = _plan_for(sender, export, receiver, "tiny")
+        sender.push(plan.for_source(0), export)
+        _assert_exact(receiver, "tiny", seed=13)
+        expected = "cuda" if transport.supports_device(torch.device("cuda", 0)) else "cpu"
+        assert sender.staging_device.type == expected
+        sender.close()
+    finally:
+        transport.close()
+        receiver.close()
