@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from weightsync.cli import demo_cmd, plan_cmd, serve_cmd
+
 app = typer.Typer(
     name="weightsync",
     help="Move an RL trainer's weights into running inference engines, point to point.",
@@ -17,18 +19,9 @@ def _root() -> None:
     """weightsync: point-to-point weight sync for RL post-training."""
 
 
-def _register() -> None:
-    # Sub-commands live in their own modules; each exposes `register(app)`.
-    import importlib
-
-    for module in ("plan_cmd", "serve_cmd", "demo_cmd", "bench_cmd"):
-        try:
-            mod = importlib.import_module(f"weightsync.cli.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"weightsync.cli.{module}":
-                raise
-            continue
-        mod.register(app)
+for _module in (demo_cmd, plan_cmd, serve_cmd):
+    _module.register(app)
 
 
-_register()
+if __name__ == "__main__":  # pragma: no cover
+    app()
