@@ -216,6 +216,19 @@ class RegionTable:
             return None
         return start, size
 
+    def require_inside(self, addrs: Sequence[int], lengths: Sequence[int]) -> None:
+        """Check that every ``[addrs[i], addrs[i] + lengths[i])`` lies inside one region.
+
+        Raises:
+            ValueError: naming the first region that does not.
+        """
+        for index, (addr, length) in enumerate(zip(addrs, lengths, strict=True)):
+            if self.find(addr, length) is None:
+                raise ValueError(
+                    f"region {index}: source [{addr:#x}, +{length}) is not inside memory "
+                    f"registered with this transport"
+                )
+
     def clear(self) -> None:
         """Forget every region."""
         self._starts.clear()

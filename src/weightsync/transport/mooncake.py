@@ -180,12 +180,7 @@ class MooncakeTransport:
         src, dst, num_bytes = check_regions(src_addrs, dst_addrs, lengths)
         with self._lock:
             self._check_open()
-            for index, (addr, length) in enumerate(zip(src, num_bytes, strict=True)):
-                if self._registered.find(addr, length) is None:
-                    raise ValueError(
-                        f"region {index}: source [{addr:#x}, +{length}) is not inside memory "
-                        f"registered with this transport"
-                    )
+            self._registered.require_inside(src, num_bytes)
             self._peers.setdefault(target_session, _Peer())
         handle = _MooncakeWrite(self, target_session, src, dst, num_bytes)
         with handle.lock:
