@@ -267,7 +267,8 @@ def _source_plans(
 
 
 def _num_write_regions(plan: SourcePlan) -> int:
-    """Writes of one source if each layout's items are staged back to back in work order."""
+    """Writes of one source if each layout's items are staged back to back in work order
+    (runs merge only within one parameter, as the sender merges them)."""
     items_by_layout: dict[int, list[CopyItem]] = defaultdict(list)
     for works in plan.work.values():
         for work in works:
@@ -275,10 +276,11 @@ def _num_write_regions(plan: SourcePlan) -> int:
     count = 0
     for layout_id, items in items_by_layout.items():
         for target in plan.targets[layout_id]:
-            end = None
+            end, param = None, None
             for item in items:
                 start = target.weights_info[item.param_name][0] + item.dst_offset_bytes
-                if start != end:
+                # Writes never span two parameters: each may be registered on its own.
+                if start != end or item.param_name != param:
                     count += 1
-                end = start + item.num_bytes
+                end, param = start + item.num_bytes, item.param_name
     return count
