@@ -19,7 +19,8 @@ def serve(
         Path,
         typer.Option(
             "--model",
-            help="HF checkpoint folder (config.json + *.safetensors).",
+            help="HF checkpoint folder (config.json + *.safetensors; config.json only with "
+            "--load-format dummy).",
             exists=True,
             file_okay=False,
         ),
@@ -63,6 +64,14 @@ def serve(
     ] = None,
     num_threads: Annotated[int, typer.Option(help="Torch threads per rank.")] = 1,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    load_format: Annotated[
+        str,
+        typer.Option(
+            help="safetensors (the checkpoint's weights) or dummy (seeded synthetic weights; "
+            "the folder needs only config.json)."
+        ),
+    ] = "safetensors",
+    seed: Annotated[int, typer.Option(help="Seed of --load-format dummy weights.")] = 0,
 ) -> None:
     """Serve a reference rollout replica: the main HTTP server, the engine-info bootstrap
     server, and one process per TP rank holding SGLang-layout weights that trainers write
@@ -90,6 +99,8 @@ def serve(
             ready_file=str(ready_file) if ready_file else None,
             num_threads=num_threads,
             log_level=log_level,
+            load_format=load_format,
+            seed=seed,
         )
     except ValueError as exc:
         typer.echo(f"weightsync serve: {exc}", err=True)

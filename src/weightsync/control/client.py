@@ -11,9 +11,11 @@ from weightsync.control.models import (
     BeginWeightUpdateRequest,
     CheckerAction,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
     ParallelismConfigModel,
     PauseGenerationRequest,
@@ -23,6 +25,7 @@ from weightsync.control.models import (
     StatusResponse,
     SuccessResponse,
     TransferEngineInfoResponse,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
     WeightsCheckerRequest,
@@ -239,6 +242,64 @@ class RolloutClient(AsyncHttpClient):
         )
         response = await self._call("POST", route, body=body, timeout_s=timeout_s)
         return self._parse(response, GenerateResponse, route=route)
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float | None = None,
+    ) -> SuccessResponse:
+        """``POST /init_weights_update_group``: every rank of the replica joins the trainer's
+        group as ``rank_offset + tp_rank``. Returns once every member joined, so the trainer
+        must join (rank 0, hosting the store at ``master_address:master_port``) meanwhile."""
+        body = InitWeightsUpdateGroupRequest(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        return await self._success("/init_weights_update_group", body, timeout_s)
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        timeout_s: float | None = None,
+    ) -> SuccessResponse:
+        """``POST /update_weights_from_distributed``: receive the tensors the trainer
+        broadcasts (one flattened bucket with ``load_format="flattened_bucket"``, else one
+        broadcast per tensor) and load them. Returns once loaded, so the trainer broadcasts
+        meanwhile."""
+        body = UpdateWeightsFromDistributedRequest(
+            names=list(names),
+            dtypes=list(dtypes),
+            shapes=[list(shape) for shape in shapes],
+            group_name=group_name,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+            load_format=load_format,
+        )
+        return await self._success("/update_weights_from_distributed", body, timeout_s)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group", *, timeout_s: float | None = None
+    ) -> SuccessResponse:
+        """``POST /destroy_weights_update_group``: leave the group."""
+        body = DestroyWeightsUpdateGroupRequest(group_name=group_name)
+        return await self._success("/destroy_weights_update_group", body, timeout_s)
 
     async def _success(self, route: str, body: Any, timeout_s: float | None) -> SuccessResponse:
         response = await self._call("POST", route, body=body, timeout_s=timeout_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PauseMode = Literal["abort", "retract", "in_place"]
 Selector = Literal["target", "draft", "all"]
@@ -97,6 +97,53 @@ class GenerateRequest(_Request):
     input_ids: list[int] = Field(min_length=1)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     rid: str | None = None
+
+
+class InitWeightsUpdateGroupRequest(_Request):
+    """``POST /init_weights_update_group`` (the broadcast baseline, SGLang's fields): every
+    rank of the replica joins group `group_name` as rank ``rank_offset + tp_rank``, with the
+    trainer as rank 0 hosting the rendezvous at ``master_address:master_port``."""
+
+    master_address: str
+    master_port: int = Field(gt=0, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(_Request):
+    """``POST /update_weights_from_distributed``: receive HF tensors broadcast by the
+    trainer over group `group_name` and load them.
+
+    ``load_format="flattened_bucket"``: one broadcast of the tensors packed back to back in
+    this order, each starting at a multiple of 64 bytes; ``null``: one broadcast per tensor.
+    With `weight_version`, the replica takes that label once the tensors are loaded.
+    """
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self) -> UpdateWeightsFromDistributedRequest:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(
+                f"names, dtypes and shapes need one entry per tensor; got {len(self.names)}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        return self
+
+
+class DestroyWeightsUpdateGroupRequest(_Request):
+    """``POST /destroy_weights_update_group``."""
+
+    group_name: str = "weight_update_group"
 
 
 # Main server: responses.

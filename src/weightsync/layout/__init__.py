@@ -8,6 +8,7 @@ same rule to real tensors. Nothing here touches torch.distributed or the network
 from weightsync.layout.config import model_dtype, normalize_hf_config
 from weightsync.layout.dtypes import dtype_name, torch_dtype
 from weightsync.layout.families import SUPPORTED_MODEL_TYPES
+from weightsync.layout.load import load_hf_tensors
 from weightsync.layout.names import layer_index
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.partition import padded_vocab_size
@@ -24,6 +25,7 @@ __all__ = [
     "dtype_name",
     "hf_tensor_shapes",
     "layer_index",
+    "load_hf_tensors",
     "model_dtype",
     "normalize_hf_config",
     "padded_vocab_size",

@@ -57,12 +57,52 @@ class FlushCache:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InitWeightsUpdateGroup:
+    """Join a torch.distributed group with the trainer (the broadcast baseline); each rank
+    joins as ``rank_offset + tp_rank``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateWeightsFromDistributed:
+    """Receive one broadcast of HF tensors from the trainer and load it on every rank."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str
+    load_format: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DestroyWeightsUpdateGroup:
+    """Leave a weights update group."""
+
+    group_name: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown:
     """Leave the command loop, unregister memory and close the transport."""
 
 
 Command = (
-    Generate | BeginUpdate | EndUpdate | SetWeightVersion | CheckWeights | FlushCache | Shutdown
+    Generate
+    | BeginUpdate
+    | EndUpdate
+    | SetWeightVersion
+    | CheckWeights
+    | FlushCache
+    | InitWeightsUpdateGroup
+    | UpdateWeightsFromDistributed
+    | DestroyWeightsUpdateGroup
+    | Shutdown
 )
 
 # Why a rank could not execute a command; the HTTP layer turns kinds into status codes.

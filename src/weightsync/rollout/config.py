@@ -8,6 +8,7 @@ from typing import Any
 DEVICES = ("cpu", "cuda")
 TRANSPORTS = ("mooncake",)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma", "auto")
+LOAD_FORMATS = ("safetensors", "dummy")
 DTYPE_ALIASES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
@@ -25,7 +26,8 @@ class ServeConfig:
     """One reference rollout replica: its model, parallelism, devices and endpoints.
 
     Attributes:
-        model_path: HF checkpoint folder (config.json + safetensors).
+        model_path: HF checkpoint folder (config.json + safetensors; only config.json with
+            ``load_format="dummy"``).
         tp_size: tensor-parallel ranks (one process each).
         ep_size: expert-parallel size inside the TP group (MoE models).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL; rank r uses GPU r).
@@ -42,6 +44,9 @@ class ServeConfig:
         num_threads: torch intra-op threads per rank.
         collective_timeout_s: how long one collective of the TP group may wait.
         log_level: ``debug``, ``info``, ``warning`` or ``error``.
+        load_format: ``safetensors`` (the checkpoint's weights) or ``dummy`` (seeded
+            synthetic weights, `weightsync.synthetic`, generated on each rank's device).
+        seed: the seed of ``dummy`` weights.
 
     Raises:
         ValueError: a value out of range or not one of the choices.
@@ -63,6 +68,8 @@ class ServeConfig:
     num_threads: int = 1
     collective_timeout_s: float = 600.0
     log_level: str = "info"
+    load_format: str = "safetensors"
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -83,6 +90,9 @@ class ServeConfig:
         _choice("transport", self.transport, TRANSPORTS)
         _choice("mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
         _choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         if self.dtype is not None:
             _choice("dtype", self.dtype, tuple(DTYPE_ALIASES))
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 from typing import Any
 
@@ -10,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from weightsync.checkpoint import load_config_dict
-from weightsync.layout import dtype_name, model_dtype
+from weightsync.layout import dtype_name, load_hf_tensors, model_dtype
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.rollout.agent import RolloutAgent, UpdateSessionError
+from weightsync.rollout.broadcast_receiver import BroadcastReceiver
 from weightsync.rollout.commands import (
     CONFLICT,
     INTERNAL,
@@ -21,16 +21,20 @@ from weightsync.rollout.commands import (
     BeginUpdate,
     CheckWeights,
     Command,
+    DestroyWeightsUpdateGroup,
     EndUpdate,
     FlushCache,
     Generate,
+    InitWeightsUpdateGroup,
     RankInfo,
     RankReply,
     SetWeightVersion,
     Shutdown,
+    UpdateWeightsFromDistributed,
 )
 from weightsync.rollout.config import ServeConfig
 from weightsync.rollout.engine import ReferenceModel, generate
+from weightsync.synthetic import synthetic_hf_tensors
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ class RankRuntime:
         model: the loaded model.
         transport: the rank's transport, owned by the runtime (closed by `close`).
         agent: the rank's agent over the model's parameters.
+        collective_timeout_s: how long a broadcast-baseline rendezvous or broadcast may wait.
     """
 
     def __init__(
@@ -61,11 +66,19 @@ class RankRuntime:
         model: ReferenceModel,
         transport: MooncakeTransport,
         agent: RolloutAgent,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         self.tp_rank = tp_rank
         self.model = model
         self.transport = transport
         self.agent = agent
+        self.receiver = BroadcastReceiver(
+            params=dict(model.named_parameters()),
+            hf_config=model.hf_config,
+            parallelism=model.parallelism,
+            device=model.device,
+            timeout_s=collective_timeout_s,
+        )
 
     @classmethod
     def start(
@@ -93,10 +106,23 @@ class RankRuntime:
         dtype = config.dtype or model_dtype(hf_config)
         logger.info("building %s model (dtype %s) on %s", hf_config["model_type"], dtype, device)
         model = ReferenceModel(hf_config, parallelism, dtype=dtype, device=device, group=group)
-        model.load_checkpoint(config.model_path)
+        if config.load_format == "dummy":
+            # Seeded synthetic weights, tensor by tensor: the bytes a trainer generating with
+            # the same seed holds, without a checkpoint file.
+            load_hf_tensors(
+                dict(model.named_parameters()),
+                synthetic_hf_tensors(hf_config, seed=config.seed, dtype=dtype, device=device),
+                hf_config,
+                parallelism,
+                dtype,
+            )
+            source = f"synthetic weights (seed {config.seed})"
+        else:
+            model.load_checkpoint(config.model_path)
+            source = config.model_path
         model.eval()
         num_bytes = sum(p.nbytes for p in model.parameters())
-        logger.info("loaded %s: %.1f MB of parameters", config.model_path, num_bytes / 1e6)
+        logger.info("loaded %s: %.1f MB of parameters", source, num_bytes / 1e6)
         transport = MooncakeTransport(MooncakeConfig(protocol=config.mooncake_protocol))
         if not transport.supports_device(model.device):
             transport.close()
@@ -114,7 +140,13 @@ class RankRuntime:
         except BaseException:
             transport.close()
             raise
-        runtime = cls(tp_rank=tp_rank, model=model, transport=transport, agent=agent)
+        runtime = cls(
+            tp_rank=tp_rank,
+            model=model,
+            transport=transport,
+            agent=agent,
+            collective_timeout_s=config.collective_timeout_s,
+        )
         try:
             agent.publish(bootstrap_url, api_key=config.api_key)
         except BaseException:
@@ -157,8 +189,10 @@ class RankRuntime:
         return RankReply(tp_rank=self.tp_rank, value=value)
 
     def close(self) -> None:
-        """Unregister the parameters' memory and close the transport."""
+        """Leave any weights update group, unregister the parameters' memory and close the
+        transport."""
         try:
+            self.receiver.close()
             self.agent.close()
         finally:
             self.transport.close()
@@ -198,10 +232,30 @@ class RankRuntime:
                 )
             case FlushCache(empty_device_cache=empty_device_cache):
                 # The engine keeps no prefix cache across requests (each request's KV cache
-                # is its own); what remains is returning cached allocator memory.
-                gc.collect()
+                # is its own); what remains is returning cached allocator memory. No
+                # gc.collect(): it costs ~0.2 s with torch loaded, on every sync's resume.
                 if empty_device_cache and self.model.device.type == "cuda":
                     torch.cuda.empty_cache()
+                return None
+            case InitWeightsUpdateGroup():
+                return self.receiver.init_group(
+                    master_address=command.master_address,
+                    master_port=command.master_port,
+                    rank_offset=command.rank_offset,
+                    world_size=command.world_size,
+                    group_name=command.group_name,
+                    backend=command.backend,
+                )
+            case UpdateWeightsFromDistributed():
+                return self.receiver.receive(
+                    names=command.names,
+                    dtypes=command.dtypes,
+                    shapes=command.shapes,
+                    group_name=command.group_name,
+                    load_format=command.load_format,
+                )
+            case DestroyWeightsUpdateGroup(group_name=group_name):
+                self.receiver.destroy_group(group_name)
                 return None
             case Shutdown():
                 return None

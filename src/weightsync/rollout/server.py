@@ -1,4 +1,6 @@
-"""The main HTTP server of a reference replica: every route of PROTOCOL.md.
+"""The main HTTP server of a reference replica: every route of PROTOCOL.md, and SGLang's
+routes of the broadcast baseline (``init_weights_update_group``,
+``update_weights_from_distributed``, ``destroy_weights_update_group``).
 
 Status codes: 200 success; 400 a call that contradicts the state or bad input (begin while a
 session is open, end without one, a failed weights check, release while busy, an unknown
@@ -24,10 +26,12 @@ from weightsync.control.models import (
     AbortRequestRequest,
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     ErrorResponse,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
     ParallelismConfigModel,
     PauseGenerationRequest,
@@ -35,6 +39,7 @@ from weightsync.control.models import (
     StatusResponse,
     SuccessResponse,
     TransferEngineInfoResponse,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
     WeightsCheckerRequest,
@@ -254,6 +259,58 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
                 raise
             return _success_reply(False, str(exc))
         return _success_reply(success, message)
+
+    @app.post(
+        "/init_weights_update_group",
+        response_model=SuccessResponse,
+        dependencies=authorized,
+        responses={**_errors(500), 400: {"model": SuccessResponse}},
+    )
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> Any:
+        """Join the trainer's torch.distributed group for broadcast updates (each rank as
+        ``rank_offset + tp_rank``); answers once every member joined. 400 for a group that
+        exists, a rank that does not fit, or a backend that cannot carry the replica's
+        tensors."""
+        try:
+            return _success_reply(True, await controller.init_weights_update_group(body))
+        except ControlError as exc:
+            if exc.status_code != 400:
+                raise
+            return _success_reply(False, str(exc))
+
+    @app.post(
+        "/update_weights_from_distributed",
+        response_model=SuccessResponse,
+        dependencies=authorized,
+        responses={**_errors(500), 400: {"model": SuccessResponse}},
+    )
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest) -> Any:
+        """Receive HF tensors broadcast by the trainer and load them; 400 for an unknown group
+        or tensors that are not the model's, 500 when the broadcast failed."""
+        try:
+            return _success_reply(True, await controller.update_weights_from_distributed(body))
+        except ControlError as exc:
+            if exc.status_code != 400:
+                raise
+            return _success_reply(False, str(exc))
+
+    @app.post(
+        "/destroy_weights_update_group",
+        response_model=SuccessResponse,
+        dependencies=authorized,
+        responses={**_errors(), 400: {"model": SuccessResponse}},
+    )
+    async def destroy_weights_update_group(
+        body: DestroyWeightsUpdateGroupRequest | None = None,
+    ) -> Any:
+        """Leave a weights update group; 400 when there is no such group."""
+        body = body or DestroyWeightsUpdateGroupRequest()
+        try:
+            return _success_reply(True, await controller.destroy_weights_update_group(body))
+        except ControlError as exc:
+            if exc.status_code != 400:
+                raise
+            return _success_reply(False, str(exc))
 
     @app.post(
         "/generate",

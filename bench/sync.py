@@ -1,0 +1,618 @@
+"""P2P weight sync against the broadcast baseline and the link's ceiling, in one run.
+
+For a workload (a synthetic model, replicas at a rollout TP size, trainer ranks, device), the
+bench starts the replicas (``weightsync serve --load-format dummy``: seeded synthetic weights,
+the same bytes the trainer generates), starts the trainer ranks (a gloo group, each with its
+PP-local synthetic tensors), and then times, alternating, ``--repeats`` times each:
+
+- p2p: `TrainerSync` + `WeightSender` over Mooncake TCP, pause to resume;
+- baseline: `BroadcastSync` (verl/slime-style bucketed broadcast over a gloo group with every
+  rollout rank, loaded tensor by tensor), pause to resume;
+- ceiling: a raw Mooncake TCP write of the same bytes P2P writes, between two processes with
+  64 MiB regions; plus memcpy and a loopback socket for context.
+
+Before every timed sync the replicas' weights are snapshotted and overwritten with random
+values; after it they must equal the snapshot bit for bit. Both methods' first sync (group
+creation, metadata, staging allocation) is a warm-up and is not timed.
+
+Prints a table and, last, one JSON line: ``{"workload", "bytes", "p2p_s", "baseline_s",
+"speedup", "p2p_gbps", "ceiling_gbps", "fraction_of_ceiling", ...}`` (bytes: what P2P writes
+into the replicas per sync; seconds: medians; ceiling: raw Mooncake TCP).
+
+    python bench/sync.py                       # ~1 GB bf16 dense, 2 replicas x tp2, 2 ranks
+    python bench/sync.py --quick               # tiny smoke run
+    python bench/sync.py --preset moe-small --plot sync.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing
+import os
+import queue
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    GIB,
+    MIB,
+    PRESETS,
+    HostCeiling,
+    median,
+    model_bytes,
+    print_table,
+    workload_config,
+    write_config,
+)
+from weightsync.rollout.launch import ServedReplica, start_replicas
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_METHODS = ("p2p", "baseline")
+_RESULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerArgs:
+    """What every trainer rank of the bench needs."""
+
+    config: dict[str, Any]
+    urls: tuple[str, ...]
+    api_key: str
+    world_size: int
+    pp_size: int
+    rollout_dtype: str
+    trainer_dtype: str
+    device: str
+    seed: int
+    bucket_bytes: int
+    num_workers: int
+    init_method: str
+    timeout_s: float
+
+
+# ---------------------------------------------------------------- trainer ranks
+
+
+def _stage_export(args: TrainerArgs, rank: int, device: str) -> Any:
+    """This rank's PP-local synthetic tensors, as the sender's export."""
+    import torch
+
+    from weightsync.layout import hf_tensor_shapes
+    from weightsync.sender import ModelExport
+    from weightsync.synthetic import synthetic_hf_tensors
+
+    pp_rank = rank % args.pp_size
+    shapes = hf_tensor_shapes(args.config)
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    names = [
+        name
+        for name, _ in ModelExport(
+            meta, pp_rank=pp_rank, pp_size=args.pp_size, hf_config=args.config
+        )
+    ]
+    tensors = dict(
+        synthetic_hf_tensors(
+            args.config, seed=args.seed, dtype=args.trainer_dtype, device=device, names=names
+        )
+    )
+    return ModelExport(tensors, pp_rank=pp_rank, pp_size=args.pp_size, hf_config=args.config)
+
+
+async def _check(urls: tuple[str, ...], api_key: str, action: str) -> None:
+    from weightsync.control import RolloutClient
+
+    clients = [RolloutClient(url, api_key=api_key, timeout_s=600.0) for url in urls]
+    try:
+        await asyncio.gather(*(c.weights_checker(action) for c in clients))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+
+def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> None:
+    """One trainer rank: build both syncs, then run the commands the bench sends."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    syncs: dict[str, Any] = {}
+    transport = None
+    try:
+        import torch.distributed as dist
+
+        from weightsync.baseline import BroadcastConfig, BroadcastSync
+        from weightsync.manager import SyncConfig, SyncManager, TrainerSync
+        from weightsync.sender import SenderConfig, WeightSender
+        from weightsync.transport import MooncakeConfig, MooncakeTransport
+
+        cuda = args.device == "cuda"
+        device = f"cuda:{rank}" if cuda else "cpu"
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=args.init_method,
+            rank=rank,
+            world_size=args.world_size,
+        )
+        group = dist.group.WORLD
+        t0 = time.perf_counter()
+        export = _stage_export(args, rank, device)
+        generate_s = time.perf_counter() - t0
+
+        def manager() -> Any:
+            if rank != 0:
+                return None
+            return SyncManager(args.urls, SyncConfig(api_key=args.api_key, http_timeout_s=600.0))
+
+        transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=args.timeout_s))
+        sender = WeightSender(
+            SenderConfig(
+                bucket_bytes=args.bucket_bytes,
+                num_workers=args.num_workers,
+                timeout_s=args.timeout_s,
+            ),
+            transport=transport,
+            group=group,
+        )
+        # The sender's own counters of each push (fill and write seconds), for the report.
+        pushes: list[Any] = []
+        push = sender.push
+
+        def recording_push(plan: Any, tensors: Any) -> Any:
+            stats = push(plan, tensors)
+            pushes.append(stats)
+            return stats
+
+        sender.push = recording_push  # type: ignore[method-assign]
+        syncs["p2p"] = TrainerSync(
+            sender, hf_config=args.config, manager=manager(), dtype=args.rollout_dtype
+        )
+        syncs["baseline"] = BroadcastSync(
+            hf_config=args.config,
+            config=BroadcastConfig(
+                bucket_bytes=args.bucket_bytes,
+                backend="nccl" if cuda else "gloo",
+                timeout_s=args.timeout_s,
+            ),
+            group=group,
+            manager=manager(),
+            dtype=args.rollout_dtype,
+        )
+        results.put({"kind": "ready", "rank": rank, "generate_s": generate_s})
+        while True:
+            command = commands.get()
+            if command["kind"] == "stop":
+                break
+            method = command["method"]
+            pushes.clear()
+            if rank == 0:
+                asyncio.run(_check(args.urls, args.api_key, "snapshot"))
+                asyncio.run(_check(args.urls, args.api_key, "reset_tensors"))
+            start = time.perf_counter()
+            report = syncs[method].sync(export)
+            wall_s = time.perf_counter() - start
+            event = {
+                "kind": "run",
+                "rank": rank,
+                "method": method,
+                "push": dataclasses.asdict(pushes[-1]) if pushes else None,
+            }
+            if rank == 0:
+                # Raises (and so fails the bench) unless every parameter equals the snapshot.
+                asyncio.run(_check(args.urls, args.api_key, "compare"))
+                event.update(report=report.to_dict(), wall_s=wall_s, bit_exact=True)
+            results.put(event)
+    except BaseException as exc:
+        results.put(
+            {"kind": "error", "rank": rank, "message": str(exc), "trace": traceback.format_exc()}
+        )
+    finally:
+        for sync in syncs.values():
+            try:
+                sync.close()
+            except Exception:
+                traceback.print_exc()
+        if transport is not None:
+            transport.close()
+        results.put({"kind": "exit", "rank": rank})
+
+
+# ---------------------------------------------------------------- the bench process
+
+
+class Trainers:
+    """The trainer ranks as spawned processes, driven by commands."""
+
+    def __init__(self, args: TrainerArgs) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(args.world_size)]
+        self.processes = [
+            ctx.Process(target=trainer_main, args=(rank, args, self.commands[rank], self.results))
+            for rank in range(args.world_size)
+        ]
+        for process in self.processes:
+            process.start()
+        ready = [self._next("ready") for _ in self.processes]
+        self.generate_s = max(r["generate_s"] for r in ready)
+
+    def _next(self, kind: str) -> dict[str, Any]:
+        deadline = time.monotonic() + _RESULT_TIMEOUT_S
+        while True:
+            try:
+                event = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.pid for p in self.processes if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"trainer ranks failed or hung (dead: {dead})") from None
+                continue
+            if event["kind"] == "error":
+                raise RuntimeError(f"trainer rank {event['rank']} failed:\n{event['trace']}")
+            if event["kind"] == kind:
+                return event
+
+    def run(self, method: str) -> dict[str, Any]:
+        """One sync by `method`, verified bit-exact: rank 0's result, with every rank's
+        sender counters (``pushes``, P2P only)."""
+        for commands in self.commands:
+            commands.put({"kind": "run", "method": method})
+        events = sorted((self._next("run") for _ in self.commands), key=lambda e: e["rank"])
+        return {**events[0], "pushes": [e["push"] for e in events if e["push"] is not None]}
+
+    def stop(self) -> None:
+        for commands in self.commands:
+            commands.put({"kind": "stop"})
+        for process in self.processes:
+            process.join(60.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(
+    args: argparse.Namespace, model_dir: Path, api_key: str, log_dir: Path
+) -> list[ServedReplica]:
+    """Start the replicas; on CUDA, replica i gets GPUs ``offset + i * tp ...`` (its TP rank r
+    uses the r-th visible GPU), after the trainer's."""
+    kwargs = {
+        "num_replicas": args.replicas,
+        "tp": args.rollout_tp,
+        "ep": args.rollout_ep,
+        "dtype": args.dtype,
+        "device": args.device,
+        "api_key": api_key,
+        "log_dir": log_dir,
+        "extra_args": ["--load-format", "dummy", "--seed", str(args.seed)],
+        "ready_timeout_s": 1200.0,
+    }
+    if args.device == "cpu":
+        return start_replicas(model_dir, **kwargs)
+    offset = args.trainer_ranks if args.rollout_gpu_offset is None else args.rollout_gpu_offset
+    replicas: list[ServedReplica] = []
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for index in range(args.replicas):
+            first = offset + index * args.rollout_tp
+            gpus = ",".join(str(g) for g in range(first, first + args.rollout_tp))
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+            (replica,) = start_replicas(
+                model_dir, **{**kwargs, "num_replicas": 1, "log_dir": log_dir / f"r{index}"}
+            )
+            replicas.append(replica)
+    except BaseException:
+        for replica in replicas:
+            replica.stop()
+        raise
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    return replicas
+
+
+def run_workload(
+    args: argparse.Namespace, config: dict[str, Any], workdir: Path, label: str
+) -> dict[str, Any]:
+    """Start everything for one workload, time it, stop everything; the results."""
+    rollout_dtype = _DTYPES[args.dtype]
+    api_key = secrets.token_hex(8)
+    model_dir = write_config(config, workdir / "model")
+    log(f"{label}: {model_bytes(config, rollout_dtype) / GIB:.2f} GiB, starting replicas")
+    t0 = time.perf_counter()
+    replicas: list[ServedReplica] = []
+    trainers = ceiling = None
+    try:
+        replicas = _launch(args, model_dir, api_key, workdir / "logs")
+        log(f"replicas ready in {time.perf_counter() - t0:.1f} s; starting trainer ranks")
+        trainers = Trainers(
+            TrainerArgs(
+                config=config,
+                urls=tuple(r.url for r in replicas),
+                api_key=api_key,
+                world_size=args.trainer_ranks,
+                pp_size=args.trainer_pp,
+                rollout_dtype=rollout_dtype,
+                trainer_dtype=_DTYPES[args.trainer_dtype or args.dtype],
+                device=args.device,
+                seed=args.seed,
+                bucket_bytes=args.bucket_mb * MIB,
+                num_workers=args.num_workers,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                timeout_s=args.timeout_s,
+            )
+        )
+        log(f"trainer tensors generated in {trainers.generate_s:.1f} s; warm-up syncs")
+        warmup = {method: trainers.run(method) for method in _METHODS}
+        num_bytes = warmup["p2p"]["report"]["bytes"]
+        ceiling = None
+        if args.device == "cpu":
+            ceiling = HostCeiling(num_bytes)
+        else:
+            log("the GPU link ceiling (NCCL broadcast, peer copy) is not measured by this bench")
+        runs: dict[str, list[dict[str, Any]]] = {method: [] for method in _METHODS}
+        links: dict[str, list[float]] = {}
+        for repeat in range(args.repeats):
+            order = _METHODS if repeat % 2 == 0 else _METHODS[::-1]
+            for method in order:
+                result = trainers.run(method)
+                runs[method].append(result)
+                log(f"  {method}: {result['report']['seconds']:.3f} s (bit-exact)")
+            if ceiling is not None:
+                for key, seconds in ceiling.measure().items():
+                    links.setdefault(key, []).append(seconds)
+        return _summarize(args, config, label, num_bytes, runs, links, warmup)
+    finally:
+        if ceiling is not None:
+            ceiling.close()
+        if trainers is not None:
+            trainers.stop()
+        for replica in replicas:
+            replica.stop()
+
+
+def _summarize(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    label: str,
+    num_bytes: int,
+    runs: dict[str, list[dict[str, Any]]],
+    links: dict[str, list[float]],
+    warmup: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    rollout_dtype = _DTYPES[args.dtype]
+    seconds = {m: median([r["report"]["seconds"] for r in runs[m]]) for m in _METHODS}
+    push = {m: median([r["report"]["phases"]["push"] for r in runs[m]]) for m in _METHODS}
+    link_s = {key: median(values) for key, values in links.items()}
+    # Per P2P run, the slowest rank's fill and write seconds (what the push waited on).
+    fill_s = median([max(p["fill_seconds"] for p in r["pushes"]) for r in runs["p2p"]])
+    write_s = median([max(p["write_seconds"] for p in r["pushes"]) for r in runs["p2p"]])
+    ceiling_gbps = num_bytes / link_s["mooncake_tcp"] / 1e9 if "mooncake_tcp" in link_s else None
+    p2p_gbps = num_bytes / seconds["p2p"] / 1e9
+    return {
+        "workload": label,
+        "preset": args.preset,
+        "setup": _setup(args),
+        "bytes": num_bytes,
+        "p2p_s": seconds["p2p"],
+        "baseline_s": seconds["baseline"],
+        "speedup": seconds["baseline"] / seconds["p2p"],
+        "p2p_gbps": p2p_gbps,
+        "ceiling_gbps": ceiling_gbps,
+        "fraction_of_ceiling": p2p_gbps / ceiling_gbps if ceiling_gbps else None,
+        "baseline_gbps": num_bytes / seconds["baseline"] / 1e9,
+        "p2p_push_s": push["p2p"],
+        "baseline_push_s": push["baseline"],
+        "p2p_fill_s": fill_s,
+        "p2p_write_s": write_s,
+        "p2p_num_writes": runs["p2p"][-1]["report"]["num_writes"],
+        "memcpy_gbps": num_bytes / link_s["memcpy"] / 1e9 if "memcpy" in link_s else None,
+        "socket_gbps": num_bytes / link_s["socket"] / 1e9 if "socket" in link_s else None,
+        "model_bytes": model_bytes(config, rollout_dtype),
+        "model_type": config["model_type"],
+        "num_hidden_layers": config["num_hidden_layers"],
+        "replicas": args.replicas,
+        "rollout_tp": args.rollout_tp,
+        "trainer_ranks": args.trainer_ranks,
+        "trainer_pp": args.trainer_pp,
+        "device": args.device,
+        "dtype": rollout_dtype,
+        "bucket_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "bit_exact": all(r["bit_exact"] for m in _METHODS for r in runs[m]),
+        "runs_s": {m: [r["report"]["seconds"] for r in runs[m]] for m in _METHODS},
+        "phases": {m: runs[m][-1]["report"]["phases"] for m in _METHODS},
+        "warmup_s": {m: warmup[m]["report"]["seconds"] for m in _METHODS},
+    }
+
+
+def _setup(args: argparse.Namespace) -> str:
+    return (
+        f"{args.replicas} replica(s) x tp{args.rollout_tp}, {args.trainer_ranks} trainer "
+        f"rank(s) pp{args.trainer_pp}, {args.device}"
+    )
+
+
+def _print(result: dict[str, Any]) -> None:
+    num_bytes = result["bytes"]
+    rows = []
+    for method in _METHODS:
+        runs = result["runs_s"][method]
+        phases = result["phases"][method]
+        rows.append(
+            [
+                method,
+                f"{result[f'{method}_s']:.3f}",
+                f"{min(runs):.3f}",
+                f"{num_bytes / result[f'{method}_s'] / 1e9:.3f}",
+                f"{phases['push']:.3f}",
+                f"{phases['pause'] + phases['finalize'] + phases['resume']:.3f}",
+                "yes" if result["bit_exact"] else "NO",
+            ]
+        )
+    for key in ("ceiling", "memcpy", "socket"):
+        gbps = result["ceiling_gbps" if key == "ceiling" else f"{key}_gbps"]
+        if gbps:
+            name = "mooncake tcp (raw)" if key == "ceiling" else key
+            rows.append([name, f"{num_bytes / gbps / 1e9:.3f}", "-", f"{gbps:.3f}", "-", "-", "-"])
+    print_table(
+        f"{result['workload']}: {num_bytes / 1e9:.3f} GB written per sync, median of "
+        f"{result['repeats']}",
+        ["method", "seconds", "min s", "GB/s", "push s", "lifecycle s", "bit-exact"],
+        rows,
+    )
+    print(
+        f"P2P sender, slowest rank (median): fill {result['p2p_fill_s']:.3f} s, writes not "
+        f"hidden by fills {result['p2p_write_s']:.3f} s, {result['p2p_num_writes']} writes"
+    )
+    fraction = result["fraction_of_ceiling"]
+    print(
+        f"speedup over the baseline: {result['speedup']:.2f}x; P2P at "
+        + (f"{fraction:.0%} of raw Mooncake TCP" if fraction else "(no ceiling measured)")
+    )
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit(
+            "--plot needs matplotlib: pip install matplotlib (or the 'plot' extra)"
+        ) from None
+    sizes = [r["model_bytes"] / 1e9 for r in results]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, [r["p2p_s"] for r in results], "o-", label="P2P (Mooncake TCP)")
+    ax.plot(sizes, [r["baseline_s"] for r in results], "s-", label="broadcast baseline")
+    if all(r["ceiling_gbps"] for r in results):
+        ax.plot(
+            sizes,
+            [r["bytes"] / r["ceiling_gbps"] / 1e9 for r in results],
+            ":",
+            label="raw Mooncake TCP (same bytes)",
+        )
+    ax.set_xlabel("model size (GB, rollout dtype)")
+    ax.set_ylabel("sync seconds (pause to resume)")
+    last = results[-1]
+    ax.set_title(f"{last['preset']} ({last['model_type']}): {last['setup']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def log(message: str) -> None:
+    """Progress on stderr (stdout holds the table and the JSON line)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="default: dense-1g (tiny with --quick)"
+    )
+    for name in ("hidden", "intermediate", "layers", "experts", "moe-intermediate", "vocab"):
+        parser.add_argument(f"--{name}", type=int, help="override the preset's size")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--rollout-tp", type=int, default=2)
+    parser.add_argument("--rollout-ep", type=int, default=1)
+    parser.add_argument("--trainer-ranks", type=int, default=2)
+    parser.add_argument("--trainer-pp", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--rollout-gpu-offset", type=int, help="first rollout GPU (default: after the trainer's)"
+    )
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    parser.add_argument("--trainer-dtype", choices=sorted(_DTYPES), help="default: --dtype")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="both methods' bucket")
+    parser.add_argument("--num-workers", type=int, default=4, help="P2P sender fill threads")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--quick", action="store_true", help="1 replica, 1 repeat, 1 MiB buckets (tiny model)"
+    )
+    parser.add_argument("--plot", type=Path, help="write a PNG of seconds vs model size")
+    parser.add_argument(
+        "--plot-layers", type=int, nargs="+", help="layer counts to plot (default: L/4 L/2 L)"
+    )
+    parser.add_argument("--workdir", type=Path, help="keep configs and replica logs here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.quick:
+        args.replicas, args.repeats, args.bucket_mb = 1, 1, 1
+    args.preset = args.preset or ("tiny" if args.quick else "dense-1g")
+    if args.trainer_ranks % args.trainer_pp:
+        raise SystemExit("--trainer-pp must divide --trainer-ranks")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    base = workload_config(
+        args.preset,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_experts=args.experts,
+        moe_intermediate_size=args.moe_intermediate,
+        vocab_size=args.vocab,
+    )
+    layers = [base["num_hidden_layers"]]
+    if args.plot:
+        full = base["num_hidden_layers"]
+        layers = args.plot_layers or sorted({max(1, full // 4), max(1, full // 2), full})
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="weightsync-bench-"))
+    results = []
+    try:
+        for num_layers in layers:
+            config = {**base, "num_hidden_layers": num_layers}
+            gb = model_bytes(config, _DTYPES[args.dtype]) / 1e9
+            label = (
+                f"{args.preset} ({config['model_type']}, {num_layers} layers, {gb:.2f} GB "
+                f"{args.dtype}), {_setup(args)}"
+            )
+            result = run_workload(args, config, root / f"layers{num_layers}", label)
+            _print(result)
+            results.append(result)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.plot:
+        _plot(results, args.plot)
+        log(f"plot written to {args.plot}")
+    final = dict(results[-1])
+    if len(results) > 1:
+        final["sizes"] = [
+            {k: r[k] for k in ("model_bytes", "bytes", "p2p_s", "baseline_s", "speedup")}
+            for r in results
+        ]
+    print(json.dumps(final), flush=True)
+    return 0 if all(r["bit_exact"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

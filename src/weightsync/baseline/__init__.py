@@ -1,0 +1,14 @@
+"""The broadcast baseline: weight sync the way verl's and slime's NCCL engines do it.
+
+Trainer rank 0 gathers the full HF tensors, packs them into flat buckets and broadcasts each
+over a torch.distributed group it shares with every rollout rank (gloo on CPU, NCCL on GPU);
+each rollout rank receives every bucket whole and loads it tensor by tensor. It exists to be
+measured against the point-to-point sync (``bench/sync.py``), over the same lifecycle.
+"""
+
+from weightsync.baseline.buckets import BroadcastBucket, plan_buckets
+from weightsync.baseline.config import BroadcastConfig
+from weightsync.baseline.group import BroadcastGroup
+from weightsync.baseline.sync import BroadcastSync
+
+__all__ = ["BroadcastBucket", "BroadcastConfig", "BroadcastGroup", "BroadcastSync", "plan_buckets"]

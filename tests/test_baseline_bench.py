@@ -1,0 +1,53 @@
+"""`bench/sync.py --quick`: the whole benchmark on a tiny model, as a smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "sync.py"
+KEYS = (
+    "workload",
+    "bytes",
+    "p2p_s",
+    "baseline_s",
+    "speedup",
+    "p2p_gbps",
+    "ceiling_gbps",
+    "fraction_of_ceiling",
+)
+
+
+def test_quick_bench_prints_a_table_and_one_json_line(tmp_path):
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    for key in KEYS:
+        assert key in result, key
+    assert result["bit_exact"] is True
+    assert result["replicas"] == 1 and result["rollout_tp"] == 2 and result["trainer_ranks"] == 2
+    assert len(result["runs_s"]["p2p"]) == len(result["runs_s"]["baseline"]) == 1
+    # What P2P writes: every parameter of both ranks, padding included, at least the model.
+    assert result["bytes"] >= result["model_bytes"] > 0
+    assert result["p2p_s"] > 0 and result["baseline_s"] > 0 and result["ceiling_gbps"] > 0
+    assert result["speedup"] == result["baseline_s"] / result["p2p_s"]
+    assert result["p2p_gbps"] == result["bytes"] / result["p2p_s"] / 1e9
+    assert result["fraction_of_ceiling"] == result["p2p_gbps"] / result["ceiling_gbps"]
+    table = done.stdout
+    for row in ("p2p", "baseline", "mooncake tcp (raw)", "memcpy", "socket", "speedup"):
+        assert row in table
+    # The replicas' logs show the baseline's group and the dummy weights.
+    logs = "".join(p.read_text() for p in (tmp_path / "layers4" / "logs").glob("*.log"))
+    assert "synthetic weights (seed 0)" in logs
+    assert "joined weights update group" in logs
