@@ -7,8 +7,14 @@ from typing import Any, Self, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from weightsync.control.models import (
+    ParallelismConfigModel,
+    TransferEngineInfoResponse,
+    WeightsInfo,
+)
 from weightsync.control.replies import check_reply, json_body, unreachable
 from weightsync.errors import RemoteReplicaError
+from weightsync.layout.parallelism import ParallelismConfig
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -102,6 +108,31 @@ class AsyncHttpClient:
                 f"replica {self._base_url}: {route} answered with an unexpected body "
                 f"({model.__name__} expected): {exc}",
                 replica=self._base_url,
+                route=route,
+                status_code=response.status_code,
+            ) from exc
+
+    async def _transfer_engine_info(
+        self, route: str, rank: int, timeout_s: float | None
+    ) -> tuple[str, WeightsInfo]:
+        """``GET route?rank=N`` answered with SGLang's transfer-engine-info body."""
+        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
+        info = self._parse(response, TransferEngineInfoResponse, route=route)
+        return info.remote_instance_transfer_engine_info
+
+    async def _parallelism_config(
+        self, route: str, rank: int, timeout_s: float | None
+    ) -> ParallelismConfig:
+        """``GET route?rank=N`` answered with a rank's parallelism config dict."""
+        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
+        model = self._parse(response, ParallelismConfigModel, route=route)
+        try:
+            return ParallelismConfig.from_dict(model.model_dump())
+        except ValueError as exc:
+            raise RemoteReplicaError(
+                f"{self.base_url}: {route} rank {rank} published an invalid parallelism "
+                f"config: {exc}",
+                replica=self.base_url,
                 route=route,
                 status_code=response.status_code,
             ) from exc

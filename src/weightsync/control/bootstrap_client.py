@@ -6,14 +6,11 @@ from collections.abc import Mapping, Sequence
 
 from weightsync.control.base import AsyncHttpClient
 from weightsync.control.models import (
-    ParallelismConfigModel,
     RegisterParallelismConfigRequest,
     RegisterTransferEngineInfoRequest,
     TransferEngineInfo,
-    TransferEngineInfoResponse,
     WeightsInfo,
 )
-from weightsync.errors import RemoteReplicaError
 from weightsync.layout.parallelism import ParallelismConfig
 
 
@@ -66,25 +63,10 @@ class BootstrapClient(AsyncHttpClient):
         self, rank: int, *, timeout_s: float | None = None
     ) -> tuple[str, WeightsInfo]:
         """``GET /get_transfer_engine_info?rank=N``: ``(session_id, weights_info)``."""
-        route = "/get_transfer_engine_info"
-        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
-        info = self._parse(response, TransferEngineInfoResponse, route=route)
-        return info.remote_instance_transfer_engine_info
+        return await self._transfer_engine_info("/get_transfer_engine_info", rank, timeout_s)
 
     async def get_parallelism_config(
         self, rank: int, *, timeout_s: float | None = None
     ) -> ParallelismConfig:
         """``GET /get_parallelism_config?rank=N``."""
-        route = "/get_parallelism_config"
-        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
-        model = self._parse(response, ParallelismConfigModel, route=route)
-        try:
-            return ParallelismConfig.from_dict(model.model_dump())
-        except ValueError as exc:
-            raise RemoteReplicaError(
-                f"bootstrap {self.base_url}: rank {rank} registered an invalid parallelism "
-                f"config: {exc}",
-                replica=self.base_url,
-                route=route,
-                status_code=response.status_code,
-            ) from exc
+        return await self._parallelism_config("/get_parallelism_config", rank, timeout_s)

@@ -17,14 +17,12 @@ from weightsync.control.models import (
     GenerateResponse,
     InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
-    ParallelismConfigModel,
     PauseGenerationRequest,
     PauseMode,
     SamplingParams,
     Selector,
     StatusResponse,
     SuccessResponse,
-    TransferEngineInfoResponse,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
@@ -88,28 +86,15 @@ class RolloutClient(AsyncHttpClient):
         Returns:
             ``(session_id, {param_name: (data_ptr, numel, element_size)})`` of rank `rank`.
         """
-        route = "/remote_instance_transfer_engine_info"
-        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
-        info = self._parse(response, TransferEngineInfoResponse, route=route)
-        return info.remote_instance_transfer_engine_info
+        return await self._transfer_engine_info(
+            "/remote_instance_transfer_engine_info", rank, timeout_s
+        )
 
     async def get_parallelism_config(
         self, rank: int, *, timeout_s: float | None = None
     ) -> ParallelismConfig:
         """``GET /parallelism_config?rank=N``: where rank `rank` sits in the replica."""
-        route = "/parallelism_config"
-        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
-        model = self._parse(response, ParallelismConfigModel, route=route)
-        try:
-            return ParallelismConfig.from_dict(model.model_dump())
-        except ValueError as exc:
-            raise RemoteReplicaError(
-                f"replica {self.base_url}: {route} rank {rank} published an invalid "
-                f"parallelism config: {exc}",
-                replica=self.base_url,
-                route=route,
-                status_code=response.status_code,
-            ) from exc
+        return await self._parallelism_config("/parallelism_config", rank, timeout_s)
 
     async def pause_generation(
         self, mode: PauseMode = "abort", *, timeout_s: float | None = None
