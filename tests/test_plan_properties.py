@@ -223,10 +223,9 @@ def test_plan_is_deterministic_and_ignores_input_order(cluster, rng) -> None:
     st.integers(1, 6),
     st.integers(1, 3),
 )
-def test_greedy_assignment_bound_when_every_source_holds_everything(
-    config, num_sources, replicas
-) -> None:
-    # Largest-first greedy: the fullest source exceeds the mean by at most one unit.
+def test_assignment_bound_when_every_source_holds_everything(config, num_sources, replicas) -> None:
+    # Contiguous runs and largest-first alike: the fullest source exceeds the mean by at most
+    # one unit.
     tp = max(_tp_sizes(config))
     targets = simulate_targets(config, tp=tp, replicas=replicas)
     sources = simulate_sources(config, num_sources=num_sources, pp=1)

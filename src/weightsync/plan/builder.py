@@ -6,8 +6,8 @@ Steps, each a function below:
 2. turn every parameter segment into a `CopyItem` and file it under its work unit
    ``(hf_name, layout_id)`` (padding goes with the parameter's first data tensor);
 3. validate targets and sources (all problems collected, one `LayoutMismatchError`);
-4. assign every unit to one source that holds its tensor, largest units first, each to the
-   holder that has written the fewest bytes so far (ties to the lowest rank);
+4. assign every unit to one source that holds its tensor, keeping each source's units
+   contiguous in the destination and the bytes per source balanced (`assign_units`);
 5. assemble one `SourcePlan` per source and check that the items cover every destination
    byte exactly once.
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 from weightsync.layout import hf_tensor_shapes, rank_layout
 from weightsync.layout.types import ParamLayout
+from weightsync.plan.assign import UnitKey, WorkUnit, assign_units
 from weightsync.plan.items import CopyItem, LayoutGroup, SourcePlan, StageWork
 from weightsync.plan.merge import merge_items
 from weightsync.plan.sync_plan import SyncPlan
@@ -31,8 +32,6 @@ from weightsync.plan.validate import (
     describe_holdings,
     raise_if_problems,
 )
-
-UnitKey = tuple[str, int]
 
 
 def build_plan(
@@ -74,8 +73,7 @@ def build_plan(
     problems += _check_held(units, holders, users, sources, hf_shapes)
     raise_if_problems(problems)
 
-    num_targets = {group.layout_id: len(group.targets) for group in groups}
-    assignments = _assign(units, holders, num_targets)
+    assignments = _assign(groups, units, holders)
     source_plans = _source_plans(groups, units, assignments, sources)
     # Checked on the assembled per-source plans, so that assignment bugs show up too.
     written: dict[int, dict[str, list[CopyItem]]] = defaultdict(lambda: defaultdict(list))
@@ -216,22 +214,31 @@ def _check_held(
 
 
 def _assign(
+    groups: Sequence[LayoutGroup],
     units: dict[UnitKey, tuple[CopyItem, ...]],
     holders: dict[str, list[int]],
-    num_targets: dict[int, int],
 ) -> dict[UnitKey, int]:
-    """Greedy largest-first: balances bytes written per source within each holder set."""
-    written = {
-        key: sum(item.num_bytes for item in items) * num_targets[key[1]]
-        for key, items in units.items()
+    """Each unit's source: contiguous runs in the destination, balanced bytes written."""
+    param_index = {
+        group.layout_id: {param.name: i for i, param in enumerate(group.params)} for group in groups
     }
-    order = sorted(enumerate(units), key=lambda e: (-written[e[1]], e[1][1], e[0]))
-    load: dict[int, int] = defaultdict(int)
-    assignments: dict[UnitKey, int] = {}
-    for _, key in order:
-        rank = min(holders[key[0]], key=lambda r: (load[r], r))
-        load[rank] += written[key]
-        assignments[key] = rank
+    work_units = []
+    for key, items in units.items():
+        layout_id = key[1]
+        first = items[0]
+        work_units.append(
+            WorkUnit(
+                key=key,
+                holders=tuple(holders[key[0]]),
+                num_bytes=sum(item.num_bytes for item in items) * len(groups[layout_id].targets),
+                position=(
+                    layout_id,
+                    param_index[layout_id][first.param_name],
+                    first.dst_offset_bytes,
+                ),
+            )
+        )
+    assignments = assign_units(work_units)
     return {key: assignments[key] for key in units}
 
 
@@ -267,8 +274,13 @@ def _source_plans(
 
 
 def _num_write_regions(plan: SourcePlan) -> int:
-    """Writes of one source if each layout's items are staged back to back in work order
-    (runs merge only within one parameter, as the sender merges them)."""
+    """Writes of one source if each layout's items share one staging slot.
+
+    The sender orders a slot's pieces by destination address and merges runs that are
+    adjacent there, within one parameter (a write never spans two parameters: each may be
+    registered on its own); so here each target's items are sorted by their address and
+    every break in the sequence starts a new write.
+    """
     items_by_layout: dict[int, list[CopyItem]] = defaultdict(list)
     for works in plan.work.values():
         for work in works:
@@ -276,10 +288,15 @@ def _num_write_regions(plan: SourcePlan) -> int:
     count = 0
     for layout_id, items in items_by_layout.items():
         for target in plan.targets[layout_id]:
+            runs = sorted(
+                (
+                    (target.weights_info[item.param_name][0] + item.dst_offset_bytes, item)
+                    for item in items
+                ),
+                key=lambda run: run[0],
+            )
             end, param = None, None
-            for item in items:
-                start = target.weights_info[item.param_name][0] + item.dst_offset_bytes
-                # Writes never span two parameters: each may be registered on its own.
+            for start, item in runs:
                 if start != end or item.param_name != param:
                     count += 1
                 end, param = start + item.num_bytes, item.param_name
