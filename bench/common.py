@@ -2,8 +2,10 @@
 
 Workloads are config.json dicts of synthetic models (`weightsync.synthetic` weights, so no
 checkpoint is written). Ceilings are what the machine's links move with nothing of
-weightsync in the way: a raw Mooncake TCP write between two processes with big regions, an
-in-process memcpy and a loopback TCP socket stream, each over the same number of bytes.
+weightsync in the way, each over the same number of bytes: on the host, a raw Mooncake TCP
+write between two processes with big regions, an in-process memcpy and a loopback TCP socket
+stream; between two GPUs, an NCCL broadcast between two processes and an in-process peer
+copy.
 """
 
 from __future__ import annotations
@@ -296,3 +298,112 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+# ---------------------------------------------------------------- link ceilings (GPU memory)
+
+_GPU_BUFFER_BYTES = 1 * GIB
+
+
+def _gpu_ceiling_rank(rank: int, gpus: tuple[int, int], buffer_bytes: int, init: str, conn: Any):
+    """One of the two GPU ceiling processes: rank 0 on ``gpus[0]`` sends, rank 1 on
+    ``gpus[1]`` receives. Commands come on `conn`: ``("nccl", regions)`` (both ranks),
+    ``("peer", regions)`` (rank 0 only; an in-process copy into ``gpus[1]``), ``None`` to
+    exit. Rank 0 answers each with the seconds it took."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", gpus[rank])
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=device)
+    buffer = torch.empty(buffer_bytes, dtype=torch.uint8, device=device)
+    buffer.random_(0, 256)
+    peer = torch.empty(buffer_bytes, dtype=torch.uint8, device=gpus[1]) if rank == 0 else None
+    torch.cuda.synchronize(device)
+    conn.send("ready")
+    while (command := conn.recv()) is not None:
+        kind, regions = command
+        if kind == "nccl":
+            # One tiny broadcast first, so that both ranks start the timed part together.
+            dist.broadcast(buffer[:64], src=0)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for offset, length in regions:
+                dist.broadcast(buffer[offset : offset + length], src=0)
+            torch.cuda.synchronize(device)
+        else:
+            assert peer is not None
+            start = time.perf_counter()
+            for offset, length in regions:
+                peer[offset : offset + length].copy_(buffer[offset : offset + length])
+            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(peer.device)
+        if rank == 0:
+            conn.send(time.perf_counter() - start)
+    dist.destroy_process_group()
+
+
+class GpuCeiling:
+    """Measures the GPU link from ``gpus[0]`` to ``gpus[1]`` over `num_bytes`: an NCCL
+    broadcast between two processes (the baseline's link) and an in-process peer copy (what
+    CUDA IPC can reach), each in regions of `region_bytes` cycling over a 1 GiB buffer."""
+
+    def __init__(self, num_bytes: int, *, gpus: tuple[int, int], region_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self.buffer_bytes = min(num_bytes, _GPU_BUFFER_BYTES)
+        self.region_bytes = min(region_bytes, self.buffer_bytes)
+        ctx = multiprocessing.get_context("spawn")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        self._conns = []
+        self._ranks = []
+        for rank in range(2):
+            conn, child = ctx.Pipe()
+            process = ctx.Process(
+                target=_gpu_ceiling_rank,
+                args=(rank, gpus, self.buffer_bytes, init, child),
+                daemon=True,
+            )
+            process.start()
+            self._conns.append(conn)
+            self._ranks.append(process)
+        for conn in self._conns:
+            if not conn.poll(180.0):
+                self.close()
+                raise RuntimeError("the GPU ceiling processes did not start within 180 s")
+            conn.recv()
+        # One untimed round: NCCL channels and peer mappings set up.
+        self.measure()
+
+    def _regions(self) -> list[tuple[int, int]]:
+        regions, done = [], 0
+        while done < self.num_bytes:
+            offset = done % self.buffer_bytes
+            length = min(self.region_bytes, self.num_bytes - done, self.buffer_bytes - offset)
+            regions.append((offset, length))
+            done += length
+        return regions
+
+    def _run(self, kind: str, ranks: Sequence[int]) -> float:
+        regions = self._regions()
+        for rank in ranks:
+            self._conns[rank].send((kind, regions))
+        if not self._conns[0].poll(_TIMEOUT_S):
+            raise RuntimeError(f"the GPU ceiling ({kind}) did not answer in {_TIMEOUT_S} s")
+        return self._conns[0].recv()
+
+    def measure(self) -> dict[str, float]:
+        """One round: seconds of each link over `num_bytes`."""
+        return {"nccl_broadcast": self._run("nccl", (0, 1)), "peer_copy": self._run("peer", (0,))}
+
+    def close(self) -> None:
+        """Stop both processes."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(None)
+        for process in self._ranks:
+            process.join(30.0)
+            if process.is_alive():
+                process.kill()

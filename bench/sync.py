@@ -5,23 +5,32 @@ bench starts the replicas (``weightsync serve --load-format dummy``: seeded synt
 the same bytes the trainer generates), starts the trainer ranks (a gloo group, each with its
 PP-local synthetic tensors), and then times, alternating, ``--repeats`` times each:
 
-- p2p: `TrainerSync` + `WeightSender` over Mooncake TCP, pause to resume;
-- baseline: `BroadcastSync` (verl/slime-style bucketed broadcast over a gloo group with every
-  rollout rank, loaded tensor by tensor), pause to resume;
-- ceiling: a raw Mooncake TCP write of the same bytes P2P writes, between two processes with
-  64 MiB regions; plus memcpy and a loopback socket for context.
+- p2p: `TrainerSync` + `WeightSender`, pause to resume: over Mooncake TCP on CPU; on GPU
+  (``--device cuda``) staged on the trainer's GPU and written over CUDA IPC;
+- baseline: `BroadcastSync` (verl/slime-style bucketed broadcast over a group with every
+  rollout rank, gloo on CPU and NCCL on GPU, loaded tensor by tensor), pause to resume;
+- ceiling: on CPU, a raw Mooncake TCP write of the same bytes P2P writes, between two
+  processes with 64 MiB regions, plus memcpy and a loopback socket for context; on GPU, an
+  NCCL broadcast of the same bytes from the trainer's first GPU to the first rollout GPU
+  (two processes) and an in-process peer copy between the same GPUs.
 
 Before every timed sync the replicas' weights are snapshotted and overwritten with random
-values; after it they must equal the snapshot bit for bit. Both methods' first sync (group
-creation, metadata, staging allocation) is a warm-up and is not timed.
+values (on their GPUs with ``--device cuda``); after it they must equal the snapshot bit for
+bit. Both methods' first sync (group creation, metadata, staging allocation) is a warm-up and
+is not timed. Trainer and replicas generate the same seeded synthetic weights
+(`weightsync.synthetic`), so the warm-up's compare also checks the first sync against the
+replica's own copy of the weights.
 
 Prints a table and, last, one JSON line: ``{"workload", "bytes", "p2p_s", "baseline_s",
 "speedup", "p2p_gbps", "ceiling_gbps", "fraction_of_ceiling", ...}`` (bytes: what P2P writes
-into the replicas per sync; seconds: medians; ceiling: raw Mooncake TCP).
+into the replicas per sync; seconds: medians; ceiling: raw Mooncake TCP on CPU, NCCL
+broadcast on GPU).
 
     python bench/sync.py                       # ~1 GB bf16 dense, 2 replicas x tp2, 2 ranks
     python bench/sync.py --quick               # tiny smoke run
     python bench/sync.py --preset moe-small --plot sync.png
+    python bench/sync.py --device cuda --preset dense-8b --replicas 1 --rollout-tp 1 \
+        --trainer-ranks 1 --bucket-mb 512     # trainer on GPU 0, the replica on GPU 1
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from common import (
     GIB,
     MIB,
     PRESETS,
+    GpuCeiling,
     HostCeiling,
     median,
     model_bytes,
@@ -61,6 +71,15 @@ from weightsync.rollout.launch import ServedReplica, start_replicas
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _METHODS = ("p2p", "baseline")
+# The link each device's P2P rate is compared with, and how the table names each link.
+_CEILINGS = {"cpu": "mooncake_tcp", "cuda": "nccl_broadcast"}
+_LINK_NAMES = {
+    "mooncake_tcp": "mooncake tcp (raw)",
+    "memcpy": "memcpy",
+    "socket": "socket",
+    "nccl_broadcast": "nccl broadcast (raw)",
+    "peer_copy": "peer copy (in-process)",
+}
 _RESULT_TIMEOUT_S = 1800.0
 
 
@@ -81,6 +100,7 @@ class TrainerArgs:
     num_workers: int
     init_method: str
     timeout_s: float
+    transport: str
 
 
 # ---------------------------------------------------------------- trainer ranks
@@ -135,7 +155,7 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
         from weightsync.baseline import BroadcastConfig, BroadcastSync
         from weightsync.manager import SyncConfig, SyncManager, TrainerSync
         from weightsync.sender import SenderConfig, WeightSender
-        from weightsync.transport import MooncakeConfig, MooncakeTransport
+        from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
 
         cuda = args.device == "cuda"
         device = f"cuda:{rank}" if cuda else "cpu"
@@ -157,7 +177,10 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
                 return None
             return SyncManager(args.urls, SyncConfig(api_key=args.api_key, http_timeout_s=600.0))
 
-        transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=args.timeout_s))
+        if args.transport == "cuda_ipc":
+            transport = CudaIpcTransport(device=rank)
+        else:
+            transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=args.timeout_s))
         sender = WeightSender(
             SenderConfig(
                 bucket_bytes=args.bucket_bytes,
@@ -182,11 +205,7 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
         )
         syncs["baseline"] = BroadcastSync(
             hf_config=args.config,
-            config=BroadcastConfig(
-                bucket_bytes=args.bucket_bytes,
-                backend="nccl" if cuda else "gloo",
-                timeout_s=args.timeout_s,
-            ),
+            config=BroadcastConfig(bucket_bytes=args.bucket_bytes, timeout_s=args.timeout_s),
             group=group,
             manager=manager(),
             dtype=args.rollout_dtype,
@@ -291,8 +310,8 @@ def _free_port() -> int:
 def _launch(
     args: argparse.Namespace, model_dir: Path, api_key: str, log_dir: Path
 ) -> list[ServedReplica]:
-    """Start the replicas; on CUDA, replica i gets GPUs ``offset + i * tp ...`` (its TP rank r
-    uses the r-th visible GPU), after the trainer's."""
+    """Start the replicas; on CUDA, replica i's TP rank r uses GPU ``offset + i * tp + r``
+    (``--base-gpu-id``), after the trainer's, and takes writes over ``--transport``."""
     kwargs = {
         "num_replicas": args.replicas,
         "tp": args.rollout_tp,
@@ -306,28 +325,37 @@ def _launch(
     }
     if args.device == "cpu":
         return start_replicas(model_dir, **kwargs)
-    offset = args.trainer_ranks if args.rollout_gpu_offset is None else args.rollout_gpu_offset
     replicas: list[ServedReplica] = []
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         for index in range(args.replicas):
-            first = offset + index * args.rollout_tp
-            gpus = ",".join(str(g) for g in range(first, first + args.rollout_tp))
-            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+            extra = [
+                *kwargs["extra_args"],
+                "--transport",
+                args.transport,
+                "--base-gpu-id",
+                str(_rollout_gpu(args, index)),
+            ]
             (replica,) = start_replicas(
-                model_dir, **{**kwargs, "num_replicas": 1, "log_dir": log_dir / f"r{index}"}
+                model_dir,
+                **{
+                    **kwargs,
+                    "num_replicas": 1,
+                    "log_dir": log_dir / f"r{index}",
+                    "extra_args": extra,
+                },
             )
             replicas.append(replica)
     except BaseException:
         for replica in replicas:
             replica.stop()
         raise
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     return replicas
+
+
+def _rollout_gpu(args: argparse.Namespace, replica: int) -> int:
+    """The GPU of replica `replica`'s TP rank 0."""
+    offset = args.trainer_ranks if args.rollout_gpu_offset is None else args.rollout_gpu_offset
+    return offset + replica * args.rollout_tp
 
 
 def run_workload(
@@ -340,7 +368,8 @@ def run_workload(
     log(f"{label}: {model_bytes(config, rollout_dtype) / GIB:.2f} GiB, starting replicas")
     t0 = time.perf_counter()
     replicas: list[ServedReplica] = []
-    trainers = ceiling = None
+    trainers: Trainers | None = None
+    ceiling: HostCeiling | GpuCeiling | None = None
     try:
         replicas = _launch(args, model_dir, api_key, workdir / "logs")
         log(f"replicas ready in {time.perf_counter() - t0:.1f} s; starting trainer ranks")
@@ -359,27 +388,35 @@ def run_workload(
                 num_workers=args.num_workers,
                 init_method=f"tcp://127.0.0.1:{_free_port()}",
                 timeout_s=args.timeout_s,
+                transport=args.transport,
             )
         )
         log(f"trainer tensors generated in {trainers.generate_s:.1f} s; warm-up syncs")
-        warmup = {method: trainers.run(method) for method in _METHODS}
+        methods = args.methods
+        warmup = {method: trainers.run(method) for method in methods}
         num_bytes = warmup["p2p"]["report"]["bytes"]
-        ceiling = None
+        log(f"warm-up done ({num_bytes / 1e9:.2f} GB per sync); starting the ceiling")
         if args.device == "cpu":
             ceiling = HostCeiling(num_bytes)
         else:
-            log("the GPU link ceiling (NCCL broadcast, peer copy) is not measured by this bench")
-        runs: dict[str, list[dict[str, Any]]] = {method: [] for method in _METHODS}
+            ceiling = GpuCeiling(num_bytes, gpus=(0, _rollout_gpu(args, 0)), region_bytes=GIB)
+        runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
         links: dict[str, list[float]] = {}
         for repeat in range(args.repeats):
-            order = _METHODS if repeat % 2 == 0 else _METHODS[::-1]
+            order = methods if repeat % 2 == 0 else methods[::-1]
             for method in order:
                 result = trainers.run(method)
                 runs[method].append(result)
-                log(f"  {method}: {result['report']['seconds']:.3f} s (bit-exact)")
-            if ceiling is not None:
-                for key, seconds in ceiling.measure().items():
-                    links.setdefault(key, []).append(seconds)
+                report = result["report"]
+                log(
+                    f"  {method}: {report['seconds']:.3f} s (push {report['phases']['push']:.3f}"
+                    " s), bit-exact"
+                )
+            measured = ceiling.measure()
+            for key, seconds in measured.items():
+                links.setdefault(key, []).append(seconds)
+            rates = (f"{k}: {num_bytes / v / 1e9:.1f} GB/s" for k, v in measured.items())
+            log("  " + ", ".join(rates))
         return _summarize(args, config, label, num_bytes, runs, links, warmup)
     finally:
         if ceiling is not None:
@@ -400,14 +437,18 @@ def _summarize(
     warmup: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     rollout_dtype = _DTYPES[args.dtype]
-    seconds = {m: median([r["report"]["seconds"] for r in runs[m]]) for m in _METHODS}
-    push = {m: median([r["report"]["phases"]["push"] for r in runs[m]]) for m in _METHODS}
+    methods = tuple(runs)
+    seconds = {m: median([r["report"]["seconds"] for r in runs.get(m, [])]) for m in _METHODS}
+    push = {m: median([r["report"]["phases"]["push"] for r in runs.get(m, [])]) for m in _METHODS}
     link_s = {key: median(values) for key, values in links.items()}
     # Per P2P run, the slowest rank's fill and write seconds (what the push waited on).
     fill_s = median([max(p["fill_seconds"] for p in r["pushes"]) for r in runs["p2p"]])
     write_s = median([max(p["write_seconds"] for p in r["pushes"]) for r in runs["p2p"]])
-    ceiling_gbps = num_bytes / link_s["mooncake_tcp"] / 1e9 if "mooncake_tcp" in link_s else None
+    links_gbps = {key: num_bytes / value / 1e9 for key, value in link_s.items()}
+    ceiling = _CEILINGS[args.device]
+    ceiling_gbps = links_gbps.get(ceiling)
     p2p_gbps = num_bytes / seconds["p2p"] / 1e9
+    p2p_push_gbps = num_bytes / push["p2p"] / 1e9
     return {
         "workload": label,
         "preset": args.preset,
@@ -419,14 +460,19 @@ def _summarize(
         "p2p_gbps": p2p_gbps,
         "ceiling_gbps": ceiling_gbps,
         "fraction_of_ceiling": p2p_gbps / ceiling_gbps if ceiling_gbps else None,
+        "ceiling": ceiling,
+        "p2p_push_gbps": p2p_push_gbps,
+        "push_fraction_of_ceiling": p2p_push_gbps / ceiling_gbps if ceiling_gbps else None,
         "baseline_gbps": num_bytes / seconds["baseline"] / 1e9,
         "p2p_push_s": push["p2p"],
         "baseline_push_s": push["baseline"],
         "p2p_fill_s": fill_s,
         "p2p_write_s": write_s,
         "p2p_num_writes": runs["p2p"][-1]["report"]["num_writes"],
-        "memcpy_gbps": num_bytes / link_s["memcpy"] / 1e9 if "memcpy" in link_s else None,
-        "socket_gbps": num_bytes / link_s["socket"] / 1e9 if "socket" in link_s else None,
+        "memcpy_gbps": links_gbps.get("memcpy"),
+        "socket_gbps": links_gbps.get("socket"),
+        "links_gbps": links_gbps,
+        "transport": args.transport,
         "model_bytes": model_bytes(config, rollout_dtype),
         "model_type": config["model_type"],
         "num_hidden_layers": config["num_hidden_layers"],
@@ -438,10 +484,11 @@ def _summarize(
         "dtype": rollout_dtype,
         "bucket_mb": args.bucket_mb,
         "repeats": args.repeats,
-        "bit_exact": all(r["bit_exact"] for m in _METHODS for r in runs[m]),
-        "runs_s": {m: [r["report"]["seconds"] for r in runs[m]] for m in _METHODS},
-        "phases": {m: runs[m][-1]["report"]["phases"] for m in _METHODS},
-        "warmup_s": {m: warmup[m]["report"]["seconds"] for m in _METHODS},
+        "methods": list(methods),
+        "bit_exact": all(r["bit_exact"] for m in methods for r in runs[m]),
+        "runs_s": {m: [r["report"]["seconds"] for r in runs[m]] for m in methods},
+        "phases": {m: runs[m][-1]["report"]["phases"] for m in methods},
+        "warmup_s": {m: warmup[m]["report"]["seconds"] for m in methods},
     }
 
 
@@ -455,7 +502,7 @@ def _setup(args: argparse.Namespace) -> str:
 def _print(result: dict[str, Any]) -> None:
     num_bytes = result["bytes"]
     rows = []
-    for method in _METHODS:
+    for method in result["methods"]:
         runs = result["runs_s"][method]
         phases = result["phases"][method]
         rows.append(
@@ -469,11 +516,9 @@ def _print(result: dict[str, Any]) -> None:
                 "yes" if result["bit_exact"] else "NO",
             ]
         )
-    for key in ("ceiling", "memcpy", "socket"):
-        gbps = result["ceiling_gbps" if key == "ceiling" else f"{key}_gbps"]
-        if gbps:
-            name = "mooncake tcp (raw)" if key == "ceiling" else key
-            rows.append([name, f"{num_bytes / gbps / 1e9:.3f}", "-", f"{gbps:.3f}", "-", "-", "-"])
+    for key, gbps in result["links_gbps"].items():
+        name = _LINK_NAMES.get(key, key)
+        rows.append([name, f"{num_bytes / gbps / 1e9:.3f}", "-", f"{gbps:.3f}", "-", "-", "-"])
     print_table(
         f"{result['workload']}: {num_bytes / 1e9:.3f} GB written per sync, median of "
         f"{result['repeats']}",
@@ -485,9 +530,15 @@ def _print(result: dict[str, Any]) -> None:
         f"hidden by fills {result['p2p_write_s']:.3f} s, {result['p2p_num_writes']} writes"
     )
     fraction = result["fraction_of_ceiling"]
+    name = _LINK_NAMES[result["ceiling"]]
     print(
         f"speedup over the baseline: {result['speedup']:.2f}x; P2P at "
-        + (f"{fraction:.0%} of raw Mooncake TCP" if fraction else "(no ceiling measured)")
+        + (
+            f"{fraction:.0%} of {name} end to end, its push at "
+            f"{result['push_fraction_of_ceiling']:.0%}"
+            if fraction
+            else "(no ceiling measured)"
+        )
     )
 
 
@@ -502,19 +553,19 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
             "--plot needs matplotlib: pip install matplotlib (or the 'plot' extra)"
         ) from None
     sizes = [r["model_bytes"] / 1e9 for r in results]
+    last = results[-1]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(sizes, [r["p2p_s"] for r in results], "o-", label="P2P (Mooncake TCP)")
+    ax.plot(sizes, [r["p2p_s"] for r in results], "o-", label=f"P2P ({last['transport']})")
     ax.plot(sizes, [r["baseline_s"] for r in results], "s-", label="broadcast baseline")
     if all(r["ceiling_gbps"] for r in results):
         ax.plot(
             sizes,
             [r["bytes"] / r["ceiling_gbps"] / 1e9 for r in results],
             ":",
-            label="raw Mooncake TCP (same bytes)",
+            label=f"{_LINK_NAMES[last['ceiling']]} (same bytes)",
         )
     ax.set_xlabel("model size (GB, rollout dtype)")
     ax.set_ylabel("sync seconds (pause to resume)")
-    last = results[-1]
     ax.set_title(f"{last['preset']} ({last['model_type']}): {last['setup']}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -545,6 +596,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rollout-gpu-offset", type=int, help="first rollout GPU (default: after the trainer's)"
     )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=_METHODS,
+        default=list(_METHODS),
+        help="what to time (default: both; the speedup needs both)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("mooncake", "cuda_ipc"),
+        help="P2P transport (default: mooncake on cpu, cuda_ipc on cuda)",
+    )
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     parser.add_argument("--trainer-dtype", choices=sorted(_DTYPES), help="default: --dtype")
     parser.add_argument("--bucket-mb", type=int, default=256, help="both methods' bucket")
@@ -563,6 +626,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_gpus(args: argparse.Namespace) -> None:
+    """Refuse a GPU layout the machine cannot hold, before anything starts."""
+    import torch
+
+    needed = max(args.trainer_ranks, _rollout_gpu(args, args.replicas - 1) + args.rollout_tp)
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < needed:
+        raise SystemExit(
+            f"--device cuda with {args.trainer_ranks} trainer rank(s) and {args.replicas} "
+            f"replica(s) x tp{args.rollout_tp} needs {needed} GPUs; found {found}"
+        )
+    if _rollout_gpu(args, 0) < args.trainer_ranks:
+        raise SystemExit("--rollout-gpu-offset must leave the trainer's GPUs to the trainer")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.quick:
@@ -570,6 +648,14 @@ def main(argv: list[str] | None = None) -> int:
     args.preset = args.preset or ("tiny" if args.quick else "dense-1g")
     if args.trainer_ranks % args.trainer_pp:
         raise SystemExit("--trainer-pp must divide --trainer-ranks")
+    args.methods = tuple(m for m in _METHODS if m in args.methods)
+    if "p2p" not in args.methods:
+        raise SystemExit("--methods must include p2p (its bytes size the ceiling)")
+    args.transport = args.transport or ("cuda_ipc" if args.device == "cuda" else "mooncake")
+    if args.transport == "cuda_ipc" and args.device != "cuda":
+        raise SystemExit("--transport cuda_ipc needs --device cuda")
+    if args.device == "cuda":
+        _check_gpus(args)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     base = workload_config(

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 MIB = 1 << 20
 LOAD_FORMATS = ("flattened_bucket", None)
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -15,7 +18,10 @@ class BroadcastConfig:
     Attributes:
         bucket_bytes: bytes of one broadcast bucket (full HF tensors in the rollout dtype); a
             larger tensor travels alone.
-        backend: the weights update group's backend: ``gloo`` (CPU tensors) or ``nccl``.
+        backend: the weights update group's backend: ``gloo`` (CPU tensors), ``nccl`` (CUDA
+            tensors) or ``auto`` (``nccl`` when the trainer's tensors are on a GPU, ``gloo``
+            otherwise). Either way the group is a stand-alone one, never split from a
+            default group.
         master_address: where trainer rank 0 hosts the group's rendezvous store; the
             replicas must reach it.
         group_name: prefix of the group's name (a counter is appended per group created).
@@ -28,19 +34,27 @@ class BroadcastConfig:
     """
 
     bucket_bytes: int = 512 * MIB
-    backend: str = "gloo"
+    backend: str = "auto"
     master_address: str = "127.0.0.1"
     group_name: str = "weightsync_broadcast"
     load_format: str | None = "flattened_bucket"
     timeout_s: float = 300.0
+
+    def backend_for(self, device: torch.device) -> str:
+        """The backend of a group whose trainer tensors live on `device`."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if device.type == "cuda" else "gloo"
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(
                 f"BroadcastConfig.bucket_bytes must be a positive int, got {self.bucket_bytes!r}"
             )
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"BroadcastConfig.backend must be gloo or nccl, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"BroadcastConfig.backend must be one of {BACKENDS}, got {self.backend!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"BroadcastConfig.load_format must be one of {LOAD_FORMATS}, "

@@ -113,7 +113,7 @@ class BroadcastGroup:
         clients = {
             m.url: RolloutClient(m.url, api_key=self._api_key, timeout_s=timeout_s) for m in members
         }
-        backend = self._config.backend
+        backend = self._config.backend_for(self._device)
         local = asyncio.to_thread(
             init_custom_process_group,
             backend=backend,

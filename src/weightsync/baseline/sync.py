@@ -204,11 +204,12 @@ class BroadcastSync:
             next_fill = 1
             for k, bucket in enumerate(buckets):
                 buffer = buffers[k % 2][: bucket.num_bytes]
+                # The replicas are told to receive while this rank broadcasts, not after: an
+                # NCCL group's first collective blocks the caller until every member joined.
                 update = self._broadcast_group.update(  # type: ignore[union-attr]
                     names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes
                 )
-                works = await asyncio.to_thread(self._start_broadcast, group, bucket, buffer)
-                steps = [asyncio.to_thread(_wait_all, works), update]
+                steps = [update, asyncio.to_thread(self._send, group, bucket, buffer)]
                 if k + 1 < len(buckets):
                     steps.append(asyncio.to_thread(packer.fill, buckets[k + 1], buffers[1 - k % 2]))
                 results = await asyncio.gather(*steps, return_exceptions=True)
@@ -242,15 +243,20 @@ class BroadcastSync:
             self._group_epoch = epoch
         return self._broadcast_group.group
 
-    def _start_broadcast(
+    def _send(
         self, group: dist.ProcessGroup, bucket: BroadcastBucket, buffer: torch.Tensor
-    ) -> list[Any]:
+    ) -> None:
+        """Broadcast one bucket (whole, or tensor by tensor) and wait for it: on the host
+        for gloo; for NCCL the current stream waits, so the buffer is refilled only after."""
         if self._config.load_format == FLATTENED_BUCKET:
-            return [dist.broadcast(buffer, group=group, group_src=0, async_op=True)]
-        return [
-            dist.broadcast(view, group=group, group_src=0, async_op=True)
-            for _, view in bucket.layout.views(buffer)
-        ]
+            works = [dist.broadcast(buffer, group=group, group_src=0, async_op=True)]
+        else:
+            works = [
+                dist.broadcast(view, group=group, group_src=0, async_op=True)
+                for _, view in bucket.layout.views(buffer)
+            ]
+        for work in works:
+            work.wait()
 
     def _buffers_for(
         self, buckets: Sequence[BroadcastBucket], device: torch.device
@@ -281,11 +287,6 @@ class BroadcastSync:
         box = [obj]
         dist.broadcast_object_list(box, group=self._group, group_src=0)
         return box[0]
-
-
-def _wait_all(works: Sequence[Any]) -> None:
-    for work in works:
-        work.wait()
 
 
 def _summary(

@@ -28,8 +28,15 @@ def serve(
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (processes).")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel size; divides --tp.")] = 1,
     device: Annotated[
-        str, typer.Option(help="cpu (gloo) or cuda (NCCL; rank r uses GPU r).")
+        str, typer.Option(help="cpu (gloo) or cuda (NCCL; rank r uses GPU base-gpu-id + r).")
     ] = "cpu",
+    base_gpu_id: Annotated[
+        int,
+        typer.Option(
+            help="GPU of TP rank 0 with --device cuda, among the visible ones "
+            "(CUDA_VISIBLE_DEVICES applies first)."
+        ),
+    ] = 0,
     host: Annotated[
         str, typer.Option(help="Interface of both HTTP servers (loopback unless told).")
     ] = "127.0.0.1",
@@ -49,7 +56,13 @@ def serve(
         str | None,
         typer.Option(help="Parameter dtype: bf16, fp16 or fp32 (default: the checkpoint's)."),
     ] = None,
-    transport: Annotated[str, typer.Option(help="Transport trainers write with.")] = "mooncake",
+    transport: Annotated[
+        str,
+        typer.Option(
+            help="Transport trainers write with: mooncake (TCP/RDMA) or cuda_ipc (trainer on "
+            "the same host; needs --device cuda)."
+        ),
+    ] = "mooncake",
     mooncake_protocol: Annotated[
         str, typer.Option(help="Mooncake protocol: tcp, rdma or auto.")
     ] = "tcp",
@@ -75,7 +88,8 @@ def serve(
 ) -> None:
     """Serve a reference rollout replica: the main HTTP server, the engine-info bootstrap
     server, and one process per TP rank holding SGLang-layout weights that trainers write
-    into over Mooncake. Parameters never move or get offloaded while it runs.
+    into over Mooncake or, on the same host, CUDA IPC. Parameters never move or get
+    offloaded while it runs.
 
     Prints `weightsync serve: listening on http://HOST:PORT (bootstrap :BPORT)` once ready;
     stops cleanly on SIGINT / SIGTERM.
@@ -88,6 +102,7 @@ def serve(
             tp_size=tp,
             ep_size=ep,
             device=device,
+            base_gpu_id=base_gpu_id,
             dtype=dtype,
             host=host,
             port=port,
@@ -108,10 +123,12 @@ def serve(
     if device == "cuda":
         import torch
 
-        if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
+        needed = base_gpu_id + tp
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < needed:
             typer.echo(
-                f"weightsync serve: --device cuda --tp {tp} needs {tp} visible GPUs, "
-                f"found {torch.cuda.device_count() if torch.cuda.is_available() else 0}",
+                f"weightsync serve: --device cuda --tp {tp} --base-gpu-id {base_gpu_id} needs "
+                f"{needed} visible GPUs, found {found}",
                 err=True,
             )
             raise typer.Exit(_USAGE_ERROR)

@@ -1,10 +1,16 @@
 """The weights checker: snapshot, corrupt and compare one rank's parameters.
 
 The bit-exact check of PROTOCOL.md runs it on every rank: ``snapshot`` copies every parameter
-into host memory, ``reset_tensors`` overwrites every parameter in place with random values,
-and after a sync ``compare`` must find every parameter bitwise equal to the snapshot (or,
-with ``allow_quant_error``, within one unit in the last place of its dtype). ``compare`` frees
-the snapshot. ``checksum`` summarises every parameter (SHA-256 of its bytes and its sum).
+(host parameters into host memory; GPU parameters on their GPU while it has room, else into
+host memory), ``reset_tensors`` overwrites every parameter in place with random values, and
+after a sync ``compare`` must find every parameter bitwise equal to the snapshot (or, with
+``allow_quant_error``, within one unit in the last place of its dtype). ``compare`` frees the
+snapshot. ``checksum`` summarises every parameter (SHA-256 of its bytes and its sum).
+
+GPU parameters are snapshotted, reset and compared on their GPU: a replica holds tens of
+gigabytes, which host copies and CPU compares would take minutes over. Every action ends
+with the GPU work done, because trainers write into the same memory from other processes
+as soon as the action returns.
 """
 
 from __future__ import annotations
@@ -106,31 +112,53 @@ class WeightsChecker:
         return self.checksum(names)
 
     def snapshot(self, names: Collection[str] | None = None) -> CheckResult:
-        """Copy the parameters `names` (default: all) into host memory."""
+        """Copy the parameters `names` (default: all): on their own device, or into host
+        memory for GPU parameters once their GPU is out of memory."""
         names = list(self._params) if names is None else list(names)
-        self._snapshot = {name: self._params[name].detach().to("cpu", copy=True) for name in names}
-        num_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        self._snapshot = None
+        snapshot: dict[str, torch.Tensor] = {}
+        on_host = False
+        for name in names:
+            param = self._params[name].detach()
+            if param.device.type == "cuda" and not on_host:
+                try:
+                    snapshot[name] = param.clone()
+                    continue
+                except torch.cuda.OutOfMemoryError:
+                    on_host = True
+            snapshot[name] = param.to("cpu", copy=True)
+        _synchronize(self._params.values())
+        self._snapshot = snapshot
+        num_bytes = sum(t.numel() * t.element_size() for t in snapshot.values())
+        where = " (partly in host memory)" if on_host else ""
         return CheckResult(
             success=True,
-            message=f"snapshot of {len(names)} parameters ({num_bytes} bytes) taken",
+            message=f"snapshot of {len(names)} parameters ({num_bytes} bytes) taken{where}",
         )
 
     def reset_tensors(
         self, names: Collection[str] | None = None, *, seed: int | None = None
     ) -> CheckResult:
-        """Overwrite the parameters `names` (default: all) with random values, in place."""
+        """Overwrite the parameters `names` (default: all) with random values, in place.
+
+        Values are drawn on each parameter's device, so with a `seed` they depend on the
+        device type (CPU and CUDA generators differ), not on anything else.
+        """
         names = list(self._params) if names is None else list(names)
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        generators: dict[torch.device, torch.Generator] = {}
         with torch.no_grad():
             for name in names:
                 param = self._params[name]
-                # Generated on the host so the values do not depend on the device; copy_
-                # writes into the existing storage, which the transfer engine has registered.
-                param.copy_(_random_like(param, generator).to(param.device))
+                generator = generators.get(param.device)
+                if generator is None:
+                    generator = generators[param.device] = torch.Generator(device=param.device)
+                    if seed is None:
+                        generator.seed()
+                    else:
+                        generator.manual_seed(seed)
+                # copy_ writes into the existing storage, which the transport has registered.
+                param.copy_(_random_like(param, generator))
+        _synchronize(self._params.values())
         return CheckResult(success=True, message=f"{len(names)} parameters reset to random values")
 
     def compare(
@@ -207,24 +235,33 @@ class WeightsChecker:
         return [n for n in self._params if not any(s in n for s in skip_tensor_list)]
 
 
+def _synchronize(params: Collection[torch.Tensor]) -> None:
+    """Wait for the GPU work queued on the parameters' devices."""
+    for device in {p.device for p in params if p.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+
+
 def _random_like(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    device = param.device
     if param.dtype.is_floating_point:
-        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+        values = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(
             -1.0, 1.0, generator=generator
         )
         return values.to(param.dtype)
     if param.dtype == torch.bool:
-        return torch.rand(param.shape, generator=generator) > 0.5
+        return torch.rand(param.shape, generator=generator, device=device) > 0.5
     info = torch.iinfo(param.dtype)
     return torch.randint(
-        info.min, info.max, param.shape, generator=generator, dtype=torch.int64
+        info.min, info.max, param.shape, generator=generator, dtype=torch.int64, device=device
     ).to(param.dtype)
 
 
 def _diff(
     name: str, expected: torch.Tensor, param: torch.Tensor, allow_quant_error: bool
 ) -> ParamDiff | None:
-    actual = param.detach().to("cpu")
+    # Compared where the parameter lives (a GPU compare of tens of GB takes milliseconds).
+    actual = param.detach()
+    expected = expected.to(actual.device)
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return ParamDiff(
             name=f"{name} (shape/dtype {tuple(actual.shape)}/{actual.dtype}, "

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 DEVICES = ("cpu", "cuda")
-TRANSPORTS = ("mooncake",)
+TRANSPORTS = ("mooncake", "cuda_ipc")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma", "auto")
 LOAD_FORMATS = ("safetensors", "dummy")
 DTYPE_ALIASES = {
@@ -30,14 +30,18 @@ class ServeConfig:
             ``load_format="dummy"``).
         tp_size: tensor-parallel ranks (one process each).
         ep_size: expert-parallel size inside the TP group (MoE models).
-        device: ``cpu`` (gloo) or ``cuda`` (NCCL; rank r uses GPU r).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL; rank r uses GPU ``base_gpu_id + r``).
+        base_gpu_id: the GPU of TP rank 0, as the process numbers GPUs (after
+            ``CUDA_VISIBLE_DEVICES``); ``cuda`` only.
         dtype: parameter dtype name (``bfloat16``, ``float16``, ``float32``); ``None``: the
             checkpoint's.
         host: interface both HTTP servers bind to (loopback unless told otherwise).
         port: main server port; 0 picks a free one.
         bootstrap_port: engine-info bootstrap server port; 0 picks a free one.
         api_key: bearer token required by every state-changing route; ``None``: no auth.
-        transport: ``mooncake``.
+        transport: ``mooncake`` (TCP / RDMA; GPU memory only with a CUDA build of Mooncake)
+            or ``cuda_ipc`` (trainers on the same host write into the GPUs over CUDA IPC;
+            needs ``device="cuda"``).
         mooncake_protocol: ``tcp``, ``rdma`` or ``auto``.
         weight_version: the label of the checkpoint's weights until the first update.
         ready_file: where to write the chosen ports as JSON once serving.
@@ -56,6 +60,7 @@ class ServeConfig:
     tp_size: int = 1
     ep_size: int = 1
     device: str = "cpu"
+    base_gpu_id: int = 0
     dtype: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
@@ -88,6 +93,12 @@ class ServeConfig:
             raise ValueError(f"port and bootstrap_port must differ, both are {self.port}")
         _choice("device", self.device, DEVICES)
         _choice("transport", self.transport, TRANSPORTS)
+        if self.transport == "cuda_ipc" and self.device != "cuda":
+            raise ValueError("transport cuda_ipc writes GPU memory; it needs device cuda")
+        if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be a non-negative int, got {self.base_gpu_id!r}")
+        if self.base_gpu_id and self.device != "cuda":
+            raise ValueError("base_gpu_id picks GPUs; it needs device cuda")
         _choice("mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
         _choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
         _choice("load_format", self.load_format, LOAD_FORMATS)
@@ -102,6 +113,10 @@ class ServeConfig:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
+
+    def gpu_id(self, tp_rank: int) -> int:
+        """The CUDA device index of TP rank `tp_rank` (``device="cuda"``)."""
+        return self.base_gpu_id + tp_rank
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a JSON-able dict; ``ServeConfig(**to_dict())`` is an equal config."""

@@ -55,8 +55,9 @@ def init_replica_group(
     device_id = None
     if config.device == "cuda":
         backend = "nccl"
-        torch.cuda.set_device(tp_rank)
-        device_id = torch.device("cuda", tp_rank)
+        gpu = config.gpu_id(tp_rank)
+        torch.cuda.set_device(gpu)
+        device_id = torch.device("cuda", gpu)
     dist.init_process_group(
         backend,
         store=store,

@@ -35,9 +35,30 @@ from weightsync.rollout.commands import (
 from weightsync.rollout.config import ServeConfig
 from weightsync.rollout.engine import ReferenceModel, generate
 from weightsync.synthetic import synthetic_hf_tensors
-from weightsync.transport import MooncakeConfig, MooncakeTransport
+from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport, Transport
 
 logger = logging.getLogger(__name__)
+
+
+def open_transport(config: ServeConfig, device: torch.device) -> Transport:
+    """The transport a rank registers its parameters with: Mooncake, or CUDA IPC on the
+    rank's own GPU. Its session id is published the same way for both.
+
+    Raises:
+        ValueError: the transport cannot reach memory on `device` (a Mooncake build without
+            CUDA, asked for GPU memory).
+    """
+    if config.transport == "cuda_ipc":
+        return CudaIpcTransport(device=device.index if device.index is not None else 0)
+    transport = MooncakeTransport(MooncakeConfig(protocol=config.mooncake_protocol))
+    if not transport.supports_device(device):
+        transport.close()
+        raise ValueError(
+            f"this Mooncake build cannot reach {device} memory: serve with --device cpu, "
+            "--transport cuda_ipc (trainer on the same host), or install a CUDA build of "
+            "Mooncake (mooncake-transfer-engine)"
+        )
+    return transport
 
 
 class GenerationRefusedError(RuntimeError):
@@ -64,7 +85,7 @@ class RankRuntime:
         *,
         tp_rank: int,
         model: ReferenceModel,
-        transport: MooncakeTransport,
+        transport: Transport,
         agent: RolloutAgent,
         collective_timeout_s: float = 600.0,
     ) -> None:
@@ -102,7 +123,7 @@ class RankRuntime:
         parallelism = ParallelismConfig(
             tp_size=config.tp_size, tp_rank=tp_rank, ep_size=config.ep_size
         )
-        device = f"cuda:{tp_rank}" if config.device == "cuda" else "cpu"
+        device = f"cuda:{config.gpu_id(tp_rank)}" if config.device == "cuda" else "cpu"
         dtype = config.dtype or model_dtype(hf_config)
         logger.info("building %s model (dtype %s) on %s", hf_config["model_type"], dtype, device)
         model = ReferenceModel(hf_config, parallelism, dtype=dtype, device=device, group=group)
@@ -121,15 +142,13 @@ class RankRuntime:
             model.load_checkpoint(config.model_path)
             source = config.model_path
         model.eval()
+        if model.device.type == "cuda":
+            # Trainers write into these parameters from other processes (CUDA IPC) once the
+            # rank is published: the loading kernels must be done before then.
+            torch.cuda.synchronize(model.device)
         num_bytes = sum(p.nbytes for p in model.parameters())
         logger.info("loaded %s: %.1f MB of parameters", source, num_bytes / 1e6)
-        transport = MooncakeTransport(MooncakeConfig(protocol=config.mooncake_protocol))
-        if not transport.supports_device(model.device):
-            transport.close()
-            raise ValueError(
-                f"this Mooncake build cannot reach {model.device} memory: serve with --device "
-                "cpu, or install a CUDA build of Mooncake (mooncake-transfer-engine)"
-            )
+        transport = open_transport(config, model.device)
         try:
             agent = RolloutAgent(
                 params=dict(model.named_parameters()),
@@ -247,13 +266,18 @@ class RankRuntime:
                     backend=command.backend,
                 )
             case UpdateWeightsFromDistributed():
-                return self.receiver.receive(
+                stats = self.receiver.receive(
                     names=command.names,
                     dtypes=command.dtypes,
                     shapes=command.shapes,
                     group_name=command.group_name,
                     load_format=command.load_format,
                 )
+                if self.model.device.type == "cuda":
+                    # The reply says the bucket is loaded: the copies queued on the stream
+                    # must have run, not only been queued.
+                    torch.cuda.synchronize(self.model.device)
+                return stats
             case DestroyWeightsUpdateGroup(group_name=group_name):
                 self.receiver.destroy_group(group_name)
                 return None

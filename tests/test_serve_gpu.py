@@ -1,0 +1,143 @@
+"""`weightsync serve --device cuda --transport cuda_ipc` end to end on GPUs.
+
+One replica (tp=1) on the last GPU with seeded synthetic weights; this process is the
+trainer on GPU 0 holding the same synthetic weights. A P2P sync (`TrainerSync` +
+`WeightSender`, GPU staging, CUDA IPC) must restore the replica's weights bit-exactly after
+the checker overwrote them, and so must the broadcast baseline over a stand-alone NCCL group
+(the replica binds its GPU to its default group, which would otherwise make torch split the
+weights update group from it).
+
+Run on a GPU machine with ``pytest -m gpu tests/test_serve_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from servers import serve_replicas
+from weightsync.checkpoint import preset_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+API_KEY = "gpu-key"
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_moe")
+    config = preset_config("tiny-moe", torch_dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def replica(model_dir, tmp_path_factory):
+    gpu = torch.cuda.device_count() - 1
+    extra = ["--transport", "cuda_ipc", "--base-gpu-id", str(gpu)]
+    extra += ["--load-format", "dummy", "--seed", str(SEED)]
+    with serve_replicas(
+        model_dir,
+        tp=1,
+        device="cuda",
+        dtype="bf16",
+        api_key=API_KEY,
+        extra_args=extra,
+        log_dir=tmp_path_factory.mktemp("logs"),
+    ) as (served,):
+        yield served
+
+
+def _checker(url: str, action: str) -> None:
+    from weightsync.control import RolloutClient
+
+    async def main() -> None:
+        async with RolloutClient(url, api_key=API_KEY, timeout_s=120.0) as client:
+            await client.weights_checker(action)
+
+    asyncio.run(main())
+
+
+def _trainer_tensors(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from weightsync.checkpoint import load_config_dict
+    from weightsync.synthetic import synthetic_hf_tensors
+
+    config = load_config_dict(model_dir)
+    tensors = dict(synthetic_hf_tensors(config, seed=SEED, dtype="bfloat16", device="cuda:0"))
+    return config, tensors
+
+
+def test_replica_publishes_cuda_ipc_sessions_on_its_gpu(replica):
+    info = httpx.get(f"{replica.url}/server_info", timeout=30.0).json()
+    assert info["transport"] == "cuda_ipc" and info["device"] == "cuda"
+    engine = httpx.get(
+        f"{replica.url}/remote_instance_transfer_engine_info", params={"rank": 0}, timeout=30.0
+    ).json()
+    session_id, weights_info = engine["remote_instance_transfer_engine_info"]
+    assert session_id.startswith("ipc:127.0.0.1:")
+    assert any(name.endswith("mlp.experts.w13_weight") for name in weights_info)
+    log = replica.log_path.read_text()
+    assert f"on cuda:{torch.cuda.device_count() - 1}" in log
+    assert f"synthetic weights (seed {SEED})" in log
+
+
+def test_p2p_sync_over_cuda_ipc_is_bit_exact(replica, model_dir):
+    from weightsync.manager import SyncConfig, SyncManager, TrainerSync
+    from weightsync.sender import ModelExport, SenderConfig, WeightSender
+    from weightsync.transport import CudaIpcTransport
+
+    config, tensors = _trainer_tensors(model_dir)
+    transport = CudaIpcTransport(0)
+    sender = WeightSender(SenderConfig(bucket_bytes=1 << 20, timeout_s=30.0), transport=transport)
+    manager = SyncManager(
+        [replica.url], SyncConfig(api_key=API_KEY, check_weight_update_equal=True)
+    )
+    sync = TrainerSync(sender, hf_config=config, manager=manager, dtype="bfloat16")
+    try:
+        # The manager snapshots the replica (its own synthetic copy), overwrites it with
+        # random values, syncs and requires the snapshot back bit for bit.
+        report = sync.sync(ModelExport(tensors, hf_config=config))
+        assert sender.staging_device == torch.device("cuda", 0)
+        assert report.bit_exact is True
+        assert report.push.bytes_written > 0 and report.push.num_writes > 0
+        # A later sync restores an overwritten replica too.
+        _checker(replica.url, "snapshot")
+        _checker(replica.url, "reset_tensors")
+        sync.sync(ModelExport(tensors, hf_config=config))
+        _checker(replica.url, "compare")
+    finally:
+        sync.close()
+        sender.close()
+        transport.close()
+
+
+def test_nccl_baseline_into_a_cuda_replica_is_bit_exact(replica, model_dir):
+    from weightsync.baseline import BroadcastConfig, BroadcastSync
+    from weightsync.manager import SyncConfig, SyncManager
+
+    config, tensors = _trainer_tensors(model_dir)
+    manager = SyncManager([replica.url], SyncConfig(api_key=API_KEY))
+    sync = BroadcastSync(
+        hf_config=config,
+        config=BroadcastConfig(bucket_bytes=1 << 20, timeout_s=120.0),
+        manager=manager,
+        dtype="bfloat16",
+    )
+    try:
+        for _ in range(2):
+            _checker(replica.url, "snapshot")
+            _checker(replica.url, "reset_tensors")
+            sync.sync(tensors)
+            _checker(replica.url, "compare")
+    finally:
+        sync.close()
+    assert "joined weights update group" in replica.log_path.read_text()
