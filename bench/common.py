@@ -29,91 +29,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from weightsync.checkpoint import preset_config
 from weightsync.layout import DTYPE_SIZES, hf_tensor_shapes
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
-# Dense presets are qwen3-shaped (GQA, q/k norms, untied embeddings); MoE presets are
-# qwen3_moe-shaped. Sizes are for bf16.
+# The workloads: `weightsync.checkpoint`'s presets (dense ones qwen3-shaped with GQA, q/k norms
+# and untied embeddings; MoE ones qwen3_moe-shaped).
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "model_type": "qwen3",
-        "vocab_size": 1000,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-    },
-    # ~0.27 GB: a quick CPU run.
-    "dense-256m": {
-        "model_type": "qwen3",
-        "vocab_size": 16000,
-        "hidden_size": 1024,
-        "intermediate_size": 2816,
-        "num_hidden_layers": 10,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 128,
-    },
-    # ~1.07 GB: the CPU target of the benchmark.
-    "dense-1g": {
-        "model_type": "qwen3",
-        "vocab_size": 32000,
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
-        "num_hidden_layers": 9,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-    },
-    # ~16.4 GB: an 8B dense model (GPU).
-    "dense-8b": {
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-    },
-    # ~0.3 GB MoE with many small experts: per-tensor loading shows on CPU.
-    "moe-small": {
-        "model_type": "qwen3_moe",
-        "vocab_size": 16000,
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "moe_intermediate_size": 256,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "num_experts": 64,
-        "num_experts_per_tok": 4,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    },
-    # ~61 GB: Qwen3-30B-A3B's shapes (GPU).
-    "qwen3-30b-a3b": {
-        "model_type": "qwen3_moe",
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    },
+    name: preset_config(name)
+    for name in ("tiny", "dense-256m", "dense-1g", "dense-8b", "moe-small", "qwen3-30b-a3b")
 }
 _COMMON = {"max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
 

@@ -199,20 +199,7 @@ def test_returned_tables_are_independent_copies() -> None:
 def test_large_moe_table_builds_fast() -> None:
     # A Qwen3-30B-A3B-sized model with 48 layers of 128 experts, at tp=8 without ep (every
     # rank holds a slice of every expert: the most segments per rank).
-    config = {
-        "model_type": "qwen3_moe",
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "dtype": "bfloat16",
-        "tie_word_embeddings": False,
-    }
+    config = preset_config("qwen3-30b-a3b", dtype="bfloat16", tie_word_embeddings=False)
     # A vocabulary no other test uses, so nothing is cached yet.
     config["vocab_size"] += 7
     start = time.perf_counter()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 # Configs by name. "tiny" models run a forward pass in milliseconds on one CPU core; "small"
-# is large enough that a sync moves tens of megabytes.
+# is large enough that a sync moves tens of megabytes; the rest are benchmark workloads.
 _PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model_type": "qwen3",
@@ -57,13 +57,84 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
     },
+    # Benchmark workloads (qwen3 dense, qwen3_moe MoE shapes; sizes for bf16). Too large to
+    # build as transformers models on a CPU: benchmarks use seeded synthetic tensors.
+    # ~0.27 GB: a quick CPU run.
+    "dense-256m": {
+        "model_type": "qwen3",
+        "vocab_size": 16000,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    },
+    # ~1.07 GB: the CPU target of the benchmark.
+    "dense-1g": {
+        "model_type": "qwen3",
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 9,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+    },
+    # ~16.4 GB: an 8B dense model (GPU).
+    "dense-8b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    # ~0.3 GB MoE with many small experts: per-tensor loading shows on CPU.
+    "moe-small": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 16000,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 64,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    # ~61 GB: Qwen3-30B-A3B's shapes (GPU).
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+# The presets small enough for `weightsync demo` to build, train and serve on a CPU.
+DEMO_PRESETS: tuple[str, ...] = ("tiny", "small", "tiny-moe")
 
 
 def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
-    """A config.json dict for a named preset (`tiny`, `small`, `tiny-moe`), with overrides.
+    """A config.json dict for a named preset (see `PRESET_NAMES`), with overrides.
 
     Raises:
         ValueError: the name is not a preset.

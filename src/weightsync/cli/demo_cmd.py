@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from weightsync.checkpoint import PRESET_NAMES, preset_config, write_random_checkpoint
+from weightsync.checkpoint import DEMO_PRESETS, preset_config, write_random_checkpoint
 from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
 from weightsync.rollout.launch import ServedReplica, start_replicas
 
@@ -33,7 +33,7 @@ def demo(
     rollout_ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     trainer_ranks: Annotated[int, typer.Option(help="Trainer processes (sources).")] = 2,
     trainer_pp: Annotated[int, typer.Option(help="Pipeline stages the trainer exports.")] = 1,
-    model: Annotated[str, typer.Option(help=f"Model preset: {', '.join(PRESET_NAMES)}.")] = "tiny",
+    model: Annotated[str, typer.Option(help=f"Model preset: {', '.join(DEMO_PRESETS)}.")] = "tiny",
     steps: Annotated[int, typer.Option(help="Optimizer steps (one sync after each).")] = 3,
     dtype: Annotated[str, typer.Option(help="Rollout dtype: bf16, fp16 or fp32.")] = "bf16",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -259,8 +259,8 @@ def _check_args(
         bad("--trainer-ranks", "must be at least 1")
     if trainer_pp < 1 or trainer_ranks % trainer_pp:
         bad("--trainer-pp", f"must divide --trainer-ranks ({trainer_ranks})")
-    if model not in PRESET_NAMES:
-        bad("--model", f"choose one of {', '.join(PRESET_NAMES)}")
+    if model not in DEMO_PRESETS:
+        bad("--model", f"choose one of {', '.join(DEMO_PRESETS)}")
     if steps < 0:
         bad("--steps", "must not be negative")
     if dtype not in _DTYPES:
