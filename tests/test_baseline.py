@@ -11,7 +11,6 @@ new group after the first one is destroyed.
 from __future__ import annotations
 
 import asyncio
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from process_group import run_in_process_group
 from servers import serve_replicas
 from weightsync.checkpoint import preset_config, write_random_checkpoint
+from weightsync.cli.demo_trainer import greedy_tokens
 
 API_KEY = "baseline-key"
 ROLLOUT_DTYPE = torch.bfloat16
@@ -47,23 +47,9 @@ def replicas(checkpoint, tmp_path_factory):
         yield served
 
 
-@torch.inference_mode()
 def _greedy(model: Any) -> list[list[int]]:
-    """The trainer model's greedy tokens over weights rounded to the rollout dtype (the
-    rollout stores bf16 and computes in float32)."""
-    ref = copy.deepcopy(model).eval()
-    for param in ref.parameters():
-        param.data = param.data.to(ROLLOUT_DTYPE).to(torch.float32)
-    outputs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        new = []
-        for _ in range(MAX_NEW_TOKENS):
-            token = int(ref(input_ids=ids).logits[0, -1].argmax())
-            new.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        outputs.append(new)
-    return outputs
+    """The trainer model's greedy tokens over weights rounded to the rollout dtype."""
+    return greedy_tokens(model, ROLLOUT_DTYPE, PROMPTS, MAX_NEW_TOKENS)
 
 
 def _generate(urls: list[str]) -> dict[str, list[list[int]]]:
