@@ -9,6 +9,7 @@ push fp32 trainer tensors into the bf16 rollout parameters; the receiver compare
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -346,4 +348,108 @@ def test_holding_accepts_exports_and_mappings(transport) -> None:
     assert sender.gather_holdings(ModelExport(model)) == [from_export]
     with pytest.raises(ValueError, match="ModelExport or a mapping"):
         sender.holding([("x", torch.zeros(1))])
+    sender.close()
+
+
+class _StagingProbe:
+    """A transport that hands every call to a real one and, at the first write, notes which
+    bytes of the staging ring the sender had not filled yet.
+
+    The ring is set to 0xFF when the sender registers it; a run of 4 KiB still all 0xFF at
+    the first write was not filled by then (no bf16 weight of a seeded model is 0xFFFF).
+    """
+
+    BLOCK = 4096
+
+    def __init__(self, inner: MooncakeTransport) -> None:
+        self._inner = inner
+        self.ring: tuple[int, int] | None = None
+        self.unfilled_at_first_write: np.ndarray | None = None
+        self.num_write_calls = 0
+
+    @property
+    def session_id(self) -> str:
+        return self._inner.session_id
+
+    def register(self, addr: int, num_bytes: int) -> None:
+        self._inner.register(addr, num_bytes)
+        ctypes.memset(addr, 0xFF, num_bytes)
+        self.ring = (addr, num_bytes)
+
+    def unregister(self, addr: int) -> None:
+        self._inner.unregister(addr)
+
+    def write(self, target_session, src_addrs, dst_addrs, lengths):
+        if self.unfilled_at_first_write is None:
+            assert self.ring is not None
+            addr, num_bytes = self.ring
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * num_bytes).from_address(addr))
+            blocks = raw[: num_bytes - num_bytes % self.BLOCK].reshape(-1, self.BLOCK)
+            self.unfilled_at_first_write = (blocks == 0xFF).all(axis=1)
+        self.num_write_calls += 1
+        return self._inner.write(target_session, src_addrs, dst_addrs, lengths)
+
+    def wait(self, handle, timeout_s: float) -> None:
+        self._inner.wait(handle, timeout_s)
+
+    def close(self) -> None:
+        """The wrapped transport belongs to the test module."""
+
+
+def test_one_bucket_push_writes_its_first_chunk_before_the_rest_is_filled(
+    receiver: Receiver, transport
+) -> None:
+    export = ModelExport(random_model(LARGE, seed=10))
+    bucket = 128 << 20  # the whole ~116 MB bf16 shard fits one bucket
+    chunk = 8 << 20
+    results = {}
+    for chunk_bytes in (chunk, bucket):
+        receiver.call(cmd="fill", group="large", value=7.0)
+        probe = _StagingProbe(transport)
+        sender = WeightSender(
+            _config(bucket_bytes=bucket, chunk_bytes=chunk_bytes), transport=probe
+        )
+        plan = _plan_for(sender, export, receiver, "large")
+        stats = sender.push(plan.for_source(0), export)
+        _assert_exact(receiver, "large", seed=10)
+        sender.close()
+        assert stats.num_buckets == 1 and stats.bytes_staged > 100e6
+        # Which 4 KiB blocks of the bucket's slot were still empty when the first write went.
+        used = stats.bytes_staged // probe.BLOCK
+        assert probe.unfilled_at_first_write is not None
+        results[chunk_bytes] = (stats, probe.unfilled_at_first_write[:used])
+
+    streamed, unfilled = results[chunk]
+    # Only the first chunk (at most twice the chunk size) was filled: everything after it was
+    # still empty when its writes were submitted.
+    first_empty = int(unfilled.argmax())
+    assert unfilled[first_empty:].all()
+    assert 0 < first_empty * probe.BLOCK <= 2 * chunk
+    assert streamed.num_chunks >= streamed.bytes_staged // (2 * chunk)
+    # Chunk cuts fall between parameters unless a run is longer than twice the chunk size.
+    whole, unfilled_whole = results[bucket]
+    assert whole.num_chunks == 1
+    assert not unfilled_whole.any()  # the contrast: the slot was full before any write
+    assert whole.num_writes <= streamed.num_writes <= whole.num_writes + streamed.num_chunks
+
+
+def test_streamed_bucket_with_a_bad_last_tensor_writes_nothing(
+    receiver: Receiver, transport
+) -> None:
+    receiver.call(cmd="fill", group="large", value=5.0)
+    sender = WeightSender(_config(bucket_bytes=128 << 20, chunk_bytes=1 << 20), transport=transport)
+    export = ModelExport(random_model(LARGE, seed=11))
+    plan = _plan_for(sender, export, receiver, "large").for_source(0)
+    last, tensor = list(export)[-1]
+    rows = tensor.shape[0]
+    with pytest.raises(ValueError, match=rf"'{last}' has shape \({rows + 1}, "):
+        sender.push(plan, _reshaped(export, last, rows=1))
+    meta = ((n, t.to("meta") if n == last else t) for n, t in export)
+    with pytest.raises(ValueError, match=rf"'{last}' is a torch.strided tensor on meta"):
+        sender.push(plan, meta)
+    assert receiver.call(cmd="unchanged", group="large", value=5.0)["changed"] == []
+    # The same sender streams the good tensors afterwards.
+    stats = sender.push(plan, export)
+    assert stats.num_buckets == 1 and stats.num_chunks > 50
+    _assert_exact(receiver, "large", seed=11)
     sender.close()

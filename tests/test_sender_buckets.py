@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from weightsync.plan import CopyItem
 from weightsync.sender import SenderConfig
 from weightsync.sender.buckets import BucketPacker, Region, SourceBox, box_range
+from weightsync.sender.chunks import chunk_bounds, split_bucket
 from weightsync.sender.fill import SlotFiller, fuse_copies
 from weightsync.sender.writes import coalesce
 
@@ -178,6 +180,8 @@ def test_coalesce_merges_runs_of_one_parameter_adjacent_in_slot_and_target() -> 
         ({"timeout_s": 0.0}, "timeout_s"),
         ({"staging": "disk"}, "staging"),
         ({"max_outstanding_per_peer": 0}, "max_outstanding"),
+        ({"chunk_bytes": 0}, "chunk_bytes"),
+        ({"chunk_bytes": 63}, "chunk_bytes must be at least 64"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match) -> None:
@@ -195,6 +199,8 @@ def test_config_defaults() -> None:
     )
     assert config.pin_memory == torch.cuda.is_available()
     assert SenderConfig(bucket_bytes=1000).slot_bytes == 960
+    assert config.chunk_bytes == 64 << 20
+    assert SenderConfig(chunk_bytes=1000).slot_chunk_bytes == 960
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             SenderConfig(pin_memory=True)
@@ -237,3 +243,174 @@ def test_worker_threads_fill_large_slots_like_one_thread() -> None:
         [fused.reshape(-1).to(torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)]
     )
     assert all(torch.equal(r[: expected.numel()], expected) for r in results)
+
+
+@st.composite
+def _params_and_items(draw):
+    """Items of a few parameters: rows of 2-D tensors and padding, with gaps in between."""
+    tensors = {f"t{i}": torch.randn(draw(st.integers(1, 12)), 5) for i in range(3)}
+    items = []
+    for param in ("p0", "p1", "p2"):
+        offset = 0
+        for _ in range(draw(st.integers(1, 5))):
+            offset += draw(st.sampled_from([0, 0, 0, 6]))  # mostly contiguous
+            if draw(st.booleans()):
+                name = draw(st.sampled_from(sorted(tensors)))
+                rows = tensors[name].shape[0]
+                lo = draw(st.integers(0, rows - 1))
+                hi = draw(st.integers(lo + 1, rows))
+                items.append(
+                    CopyItem(
+                        hf_name=name,
+                        src_box=((lo, hi), (0, 5)),
+                        param_name=param,
+                        dst_offset_bytes=offset,
+                        num_bytes=(hi - lo) * 5 * 2,
+                    )
+                )
+                offset += (hi - lo) * 10
+            else:
+                num_bytes = 2 * draw(st.integers(1, 20))
+                items.append(
+                    CopyItem(
+                        hf_name=None,
+                        src_box=(),
+                        param_name=param,
+                        dst_offset_bytes=offset,
+                        num_bytes=num_bytes,
+                    )
+                )
+                offset += num_bytes
+    return tensors, items, 2 * draw(st.integers(1, 200))
+
+
+def _apply(writes, memory: dict[int, int], staging: bytes, slot_addr: int) -> None:
+    for w in writes:
+        for i in range(w.num_bytes):
+            memory[w.dst_addr + i] = staging[w.src_addr - slot_addr + i]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_params_and_items())
+def test_chunks_stage_and_write_exactly_what_the_bucket_does(case) -> None:
+    tensors, items, chunk_bytes = case
+    base = {"p0": 0, "p1": 1 << 20, "p2": 2 << 20}
+    info = {p: (addr, 1 << 19, 2) for p, addr in base.items()}
+    packer = BucketPacker(
+        layout_id=0, slot_bytes=1 << 16, element_size=2, dst_address=lambda p, o: base[p] + o
+    )
+    for item in items:
+        tensor = tensors[item.hf_name] if item.hf_name is not None else None
+        assert packer.add(tensor, [item]) == []
+    bucket = packer.flush()
+    assert bucket is not None
+    chunks = split_bucket(bucket, chunk_bytes=chunk_bytes, element_size=2)
+
+    # The chunks tile the bucket, each at most twice the target, their parts inside them.
+    starts = itertools.accumulate((c.num_bytes for c in chunks[:-1]), initial=0)
+    assert [c.start for c in chunks] == list(starts)
+    assert sum(c.num_bytes for c in chunks) == bucket.num_bytes
+    for chunk in chunks:
+        assert 0 < chunk.num_bytes <= 2 * chunk_bytes
+        stop = chunk.start + chunk.num_bytes
+        assert sum(r.num_bytes for r in chunk.regions) == chunk.num_bytes
+        assert all(chunk.start <= r.slot_offset < stop for r in chunk.regions)
+        assert all(chunk.start <= off and off + n <= stop for off, n in chunk.zeros)
+        for s in chunk.sources:
+            size = math.prod(hi - lo for lo, hi in s.box) * 2
+            assert chunk.start <= s.slot_offset and s.slot_offset + size <= stop
+
+    # Filling chunk by chunk leaves the slot as filling the bucket at once does.
+    filler = SlotFiller(num_workers=1)
+    slots = []
+    for parts in ([bucket], chunks):
+        staging = torch.full((1 << 15,), 3.0, dtype=torch.bfloat16)
+        for part in parts:
+            filler.fill(
+                part,
+                staging_bytes=staging.view(torch.uint8),
+                staging_typed=staging,
+                slot_index=0,
+                slot_bytes=1 << 16,
+            )
+        slots.append(staging)
+    filler.close()
+    assert torch.equal(slots[0].view(torch.int16), slots[1].view(torch.int16))
+
+    # The chunks' writes land the same bytes; a cut costs a write only inside a long run.
+    raw = slots[0].view(torch.uint8).tolist()
+    whole = coalesce(bucket.regions, slot_addr=0, weights_info=info)
+    parts = [w for c in chunks for w in coalesce(c.regions, slot_addr=0, weights_info=info)]
+    landed: list[dict[int, int]] = [{}, {}]
+    _apply(whole, landed[0], raw, 0)
+    _apply(parts, landed[1], raw, 0)
+    assert landed[0] == landed[1]
+    inner_cuts = [
+        c.start
+        for c in chunks[1:]
+        if any(w.src_addr < c.start < w.src_addr + w.num_bytes for w in whole)
+    ]
+    assert len(parts) == len(whole) + len(inner_cuts)
+    for cut in inner_cuts:
+        (run,) = [w for w in whole if w.src_addr < cut < w.src_addr + w.num_bytes]
+        assert run.num_bytes > 2 * chunk_bytes
+
+
+def test_chunk_bounds_follow_parameters_and_cut_only_long_runs() -> None:
+    # (param, num_bytes, dst_offset_bytes), in slot order.
+    spec = [
+        ("a", 10, 0),
+        ("b", 10, 0),
+        ("c", 30, 0),
+        ("c", 40, 30),  # contiguous with the run before: one run of 70
+        ("d", 5, 0),
+        ("e", 20, 0),
+        ("e", 20, 64),  # a gap in the destination: a run of its own
+        ("f", 3, 0),
+    ]
+    regions, offset = [], 0
+    for param, size, dst in spec:
+        regions.append(
+            Region(
+                slot_offset=offset,
+                num_bytes=size,
+                param_name=param,
+                dst_offset_bytes=dst,
+                hf_name=param,
+            )
+        )
+        offset += size
+    # a+b (20) would pass 64 with c, so it closes first; c (70) alone is cut once at 32;
+    # d+e+e (45) reaches 32 at a run boundary; f is what is left.
+    assert chunk_bounds(regions, chunk_bytes=32) == [
+        (0, 20),
+        (20, 52),
+        (52, 90),
+        (90, 135),
+        (135, 138),
+    ]
+    assert chunk_bounds(regions, chunk_bytes=1 << 20) == [(0, 138)]
+    assert chunk_bounds([], chunk_bytes=32) == []
+    # Without long runs, every cut falls between runs: no extra write.
+    assert chunk_bounds(regions[:2], chunk_bytes=8) == [(0, 10), (10, 20)]
+
+
+def test_split_bucket_cuts_a_long_source_box_into_row_boxes() -> None:
+    tensor = torch.randn(6, 8)
+    item = CopyItem(
+        hf_name="w", src_box=((1, 6), (0, 8)), param_name="p", dst_offset_bytes=0, num_bytes=80
+    )
+    packer = BucketPacker(layout_id=0, slot_bytes=1024, element_size=2, dst_address=lambda p, o: o)
+    packer.add(tensor, [item])
+    bucket = packer.flush()
+    # 80 bytes in one run, cut every 24 bytes (12 elements, one and a half rows).
+    chunks = split_bucket(bucket, chunk_bytes=24, element_size=2)
+    assert [(c.start, c.num_bytes) for c in chunks] == [(0, 24), (24, 24), (48, 32)]
+    assert [s.box for s in chunks[0].sources] == [((1, 2), (0, 8)), ((2, 3), (0, 4))]
+    assert [s.box for s in chunks[1].sources] == [((2, 3), (4, 8)), ((3, 4), (0, 8))]
+    assert [s.box for s in chunks[2].sources] == [((4, 6), (0, 8))]
+    assert [(r.slot_offset, r.dst_offset_bytes) for c in chunks for r in c.regions] == [
+        (0, 0),
+        (24, 24),
+        (48, 48),
+    ]

@@ -46,22 +46,27 @@ def ipc() -> Iterator[CudaIpcTransport]:
 @pytest.mark.parametrize("group", ["tiny", "moe"])
 def test_cuda_tensors_stage_on_the_gpu(gpu_receiver: Receiver, ipc, group: str) -> None:
     gpu_receiver.call(cmd="fill", group=group, value=7.0)
-    sender = WeightSender(_config(bucket_bytes=1 << 16), transport=ipc)
+    # Chunks of 4 KiB: each slot is written while the GPU still copies its later chunks.
+    sender = WeightSender(_config(bucket_bytes=1 << 16, chunk_bytes=4096), transport=ipc)
     export = ModelExport(random_model(MODELS[group], seed=11).to("cuda:0"))
     plan = _plan_for(sender, export, gpu_receiver, group)
     stats = sender.push(plan.for_source(0), export)
     _assert_exact(gpu_receiver, group, seed=11)
     assert sender.staging_device == torch.device("cuda", 0)
     assert stats.num_buckets > 2  # small slots: the ring wraps around
+    assert stats.num_chunks > 2 * stats.num_buckets
     sender.close()
 
 
 def test_host_staging_from_cuda_tensors(gpu_receiver: Receiver, ipc) -> None:
     gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
-    sender = WeightSender(_config(staging="host", bucket_bytes=1 << 16), transport=ipc)
+    sender = WeightSender(
+        _config(staging="host", bucket_bytes=1 << 16, chunk_bytes=4096), transport=ipc
+    )
     export = ModelExport(random_model(TINY, seed=12).to("cuda:0"))
     plan = _plan_for(sender, export, gpu_receiver, "tiny")
-    sender.push(plan.for_source(0), export)
+    stats = sender.push(plan.for_source(0), export)
+    assert stats.num_chunks > stats.num_buckets
     _assert_exact(gpu_receiver, "tiny", seed=12)
     assert sender.staging_device == torch.device("cpu")
     sender.close()

@@ -34,6 +34,11 @@ class SenderConfig:
         pin_memory: pin the host staging ring (faster device-to-host copies and NIC reads);
             defaults to whether CUDA is available, since pinning needs it.
         max_outstanding_per_peer: most write requests in flight to one target at a time.
+        chunk_bytes: a slot is filled and written in chunks of about this many bytes: the
+            writes of one chunk start while the next chunk fills, so a push of a single
+            bucket overlaps its fill with its writes too. Chunks end where writes break
+            anyway (between parameters); only a run of one parameter longer than twice this
+            is cut, at the cost of one more write per cut. Rounded down to a multiple of 64.
 
     Raises:
         ValueError: a non-positive size, count or timeout, an unknown staging kind, or
@@ -47,17 +52,26 @@ class SenderConfig:
     staging: StagingKind = "auto"
     pin_memory: bool = field(default_factory=torch.cuda.is_available)
     max_outstanding_per_peer: int = 1000
+    chunk_bytes: int = 64 * MIB
 
     def __post_init__(self) -> None:
-        for name in ("bucket_bytes", "num_workers", "num_slots", "max_outstanding_per_peer"):
+        names = (
+            "bucket_bytes",
+            "num_workers",
+            "num_slots",
+            "max_outstanding_per_peer",
+            "chunk_bytes",
+        )
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SenderConfig.{name} must be a positive int, got {value!r}")
-        if self.bucket_bytes < SLOT_ALIGN_BYTES:
-            raise ValueError(
-                f"SenderConfig.bucket_bytes must be at least {SLOT_ALIGN_BYTES}, "
-                f"got {self.bucket_bytes}"
-            )
+        for name in ("bucket_bytes", "chunk_bytes"):
+            if getattr(self, name) < SLOT_ALIGN_BYTES:
+                raise ValueError(
+                    f"SenderConfig.{name} must be at least {SLOT_ALIGN_BYTES}, "
+                    f"got {getattr(self, name)}"
+                )
         if not self.timeout_s > 0:
             raise ValueError(f"SenderConfig.timeout_s must be > 0, got {self.timeout_s!r}")
         if self.staging not in ("auto", "host", "cuda"):
@@ -74,3 +88,8 @@ class SenderConfig:
     def slot_bytes(self) -> int:
         """Usable bytes of one staging slot (`bucket_bytes` rounded down to 64)."""
         return self.bucket_bytes - self.bucket_bytes % SLOT_ALIGN_BYTES
+
+    @property
+    def slot_chunk_bytes(self) -> int:
+        """Target bytes of one fill-then-write chunk (`chunk_bytes` rounded down to 64)."""
+        return self.chunk_bytes - self.chunk_bytes % SLOT_ALIGN_BYTES

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.sender.buckets import Bucket, SourceBox
+from weightsync.sender.chunks import Chunk
 
 # Below this many bytes per slot, handing copies to threads costs more than it saves.
 _MIN_PARALLEL_BYTES = 4 << 20
@@ -159,7 +160,7 @@ def fuse_copies(sources: Sequence[SourceBox], *, slot_base: int, element_size: i
 
 
 class SlotFiller:
-    """Runs a bucket's copies and zero fills into one slot of the staging ring."""
+    """Runs the copies and zero fills of a bucket, or of one chunk of it, into a slot."""
 
     def __init__(self, *, num_workers: int) -> None:
         """Create the filler; threads start on the first large host fill.
@@ -172,44 +173,44 @@ class SlotFiller:
 
     def fill(
         self,
-        bucket: Bucket,
+        contents: Bucket | Chunk,
         *,
         staging_bytes: torch.Tensor,
         staging_typed: torch.Tensor,
         slot_index: int,
         slot_bytes: int,
     ) -> int:
-        """Write `bucket` into slot `slot_index` and return the number of copies it took.
+        """Write `contents` into slot `slot_index` and return the number of copies it took.
 
         On CUDA the copies are only enqueued; the caller synchronises before the slot is read.
 
         Args:
-            bucket: what the slot must hold.
+            contents: a bucket, or a chunk of one (its offsets are from the slot's start).
             staging_bytes: the ring as a 1-D uint8 tensor.
             staging_typed: the same memory as a 1-D tensor of the plan dtype.
             slot_index: which slot.
             slot_bytes: bytes per slot.
         """
         with torch.no_grad():
-            return self._fill(bucket, staging_bytes, staging_typed, slot_index * slot_bytes)
+            return self._fill(contents, staging_bytes, staging_typed, slot_index * slot_bytes)
 
     def _fill(
         self,
-        bucket: Bucket,
+        contents: Bucket | Chunk,
         staging_bytes: torch.Tensor,
         staging_typed: torch.Tensor,
         slot_start: int,
     ) -> int:
         element_size = staging_typed.element_size()
-        for offset, num_bytes in bucket.zeros:
+        for offset, num_bytes in contents.zeros:
             staging_bytes[slot_start + offset : slot_start + offset + num_bytes].zero_()
         ops = fuse_copies(
-            bucket.sources, slot_base=slot_start // element_size, element_size=element_size
+            contents.sources, slot_base=slot_start // element_size, element_size=element_size
         )
         on_host = staging_typed.device.type == "cpu" and all(
             op.base.device.type == "cpu" for op in ops
         )
-        parallel = self._num_workers > 1 and on_host and bucket.num_bytes >= _MIN_PARALLEL_BYTES
+        parallel = self._num_workers > 1 and on_host and contents.num_bytes >= _MIN_PARALLEL_BYTES
         if not parallel or not ops:
             for op in ops:
                 op.run(staging_typed)

@@ -11,6 +11,7 @@ import torch
 from weightsync.layout.types import DTYPE_SIZES
 from weightsync.plan.items import SourcePlan, StageWork
 from weightsync.sender.buckets import Bucket, BucketPacker
+from weightsync.sender.chunks import Chunk, split_bucket
 from weightsync.sender.config import SenderConfig
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.staging import StagingRing
@@ -21,8 +22,10 @@ from weightsync.sender.writes import WriteQueue, coalesce
 class PushRun:
     """One `WeightSender.push`: packs the stream into buckets, stages and writes them.
 
-    Buckets are staged in the order they fill; slot ``k`` of the ring is reused only after
-    every write that reads it finished, so filling one slot overlaps the writes of the others.
+    Buckets are staged in the order they fill, each in chunks (`split_bucket`) whose writes
+    start as soon as the chunk is filled, so a bucket's fill overlaps its own writes; slot
+    ``k`` of the ring is reused only after every write that reads it finished, so filling one
+    slot also overlaps the writes of the others.
     """
 
     def __init__(
@@ -39,7 +42,7 @@ class PushRun:
 
         Args:
             plan: the rank's share of the sync.
-            config: the sender's settings (slot size).
+            config: the sender's settings (slot and chunk sizes).
             ring_for: returns the allocated staging ring, given the first source tensor's
                 device (which decides where a new ring lives).
             filler: runs the copies into a slot.
@@ -60,6 +63,7 @@ class PushRun:
         self._element_size = DTYPE_SIZES[plan.dtype]
         slot_bytes = config.slot_bytes
         slot_bytes -= slot_bytes % self._element_size
+        self._chunk_bytes = config.slot_chunk_bytes
         self._packers = {
             layout_id: BucketPacker(
                 layout_id=layout_id,
@@ -76,6 +80,7 @@ class PushRun:
         self._seen_source = False
         self._bytes_staged = 0
         self._num_buckets = 0
+        self._num_chunks = 0
         self._num_copies = 0
         self._num_regions = 0
         self._num_writes = 0
@@ -128,6 +133,7 @@ class PushRun:
             num_writes=self._num_writes,
             num_regions=self._num_regions,
             num_buckets=self._num_buckets,
+            num_chunks=self._num_chunks,
             num_copies=self._num_copies,
             seconds=time.perf_counter() - start,
             fill_seconds=self._fill_s,
@@ -139,6 +145,13 @@ class PushRun:
         where = f"trainer rank {self._plan.rank}: tensor {hf_name!r}"
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor")
+        # Checked here, before the tensor joins a bucket: a bucket's first chunk is written
+        # before its last one is copied, so a copy must not be the first to notice.
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            raise ValueError(
+                f"{where} is a {tensor.layout} tensor on {tensor.device}; the sender copies "
+                "dense (strided) tensors with data"
+            )
         shape = tuple(tensor.shape)
         declared = self._declared.get(hf_name)
         if declared is not None and declared != shape:
@@ -159,36 +172,74 @@ class PushRun:
                     )
 
     def _stage_and_write(self, bucket: Bucket) -> None:
+        """Stage `bucket` in the next slot chunk by chunk, submitting each chunk's writes.
+
+        On the host a chunk's copies are done when `fill` returns, so its writes go out at
+        once, while the next chunk fills. Copies that run on a CUDA stream are only enqueued:
+        a chunk's writes wait for its events, after the next chunk's copies were enqueued, so
+        the GPU copies one chunk while the transport reads the previous one.
+        """
         ring = self._ring_for(self._source_device)
         slot = self._next_slot
         self._next_slot = (slot + 1) % ring.num_slots
 
         t0 = time.perf_counter()
         self._queue.wait_slot(slot)
-        t1 = time.perf_counter()
-        self._num_copies += self._filler.fill(
-            bucket,
-            staging_bytes=ring.as_bytes(),
-            staging_typed=ring.as_dtype(self._dtype),
-            slot_index=slot,
-            slot_bytes=ring.slot_bytes,
-        )
-        _synchronize(ring.device, bucket)
-        t2 = time.perf_counter()
+        self._write_s += time.perf_counter() - t0
+        staging_bytes, staging_typed = ring.as_bytes(), ring.as_dtype(self._dtype)
         slot_addr = ring.slot_addr(slot)
-        for target in self._plan.targets[bucket.layout_id]:
-            writes = coalesce(bucket.regions, slot_addr=slot_addr, weights_info=target.weights_info)
-            self._queue.submit(target, writes, slot=slot)
-            self._num_writes += len(writes)
-            self._num_regions += len(bucket.regions)
-            self._per_target[target.session_id] = (
-                self._per_target.get(target.session_id, 0) + bucket.num_bytes
+        chunks = split_bucket(
+            bucket, chunk_bytes=self._chunk_bytes, element_size=self._element_size
+        )
+        pending: tuple[Chunk, list[torch.cuda.Event]] | None = None
+        for chunk in chunks:
+            t1 = time.perf_counter()
+            self._num_copies += self._filler.fill(
+                chunk,
+                staging_bytes=staging_bytes,
+                staging_typed=staging_typed,
+                slot_index=slot,
+                slot_bytes=ring.slot_bytes,
             )
-        t3 = time.perf_counter()
-        self._fill_s += t2 - t1
-        self._write_s += (t1 - t0) + (t3 - t2)
+            events = _record_copies(ring.device, chunk)
+            self._fill_s += time.perf_counter() - t1
+            if pending is not None:
+                self._write_chunk(bucket.layout_id, *pending, slot=slot, slot_addr=slot_addr)
+                pending = None
+            if events:
+                pending = (chunk, events)
+            else:
+                self._write_chunk(bucket.layout_id, chunk, [], slot=slot, slot_addr=slot_addr)
+        if pending is not None:
+            self._write_chunk(bucket.layout_id, *pending, slot=slot, slot_addr=slot_addr)
         self._bytes_staged += bucket.num_bytes
         self._num_buckets += 1
+        self._num_chunks += len(chunks)
+
+    def _write_chunk(
+        self,
+        layout_id: int,
+        chunk: Chunk,
+        events: list[torch.cuda.Event],
+        *,
+        slot: int,
+        slot_addr: int,
+    ) -> None:
+        """Submit `chunk`'s writes to every target of its layout, once its copies are done."""
+        t0 = time.perf_counter()
+        for event in events:
+            event.synchronize()
+        t1 = time.perf_counter()
+        for target in self._plan.targets[layout_id]:
+            writes = coalesce(chunk.regions, slot_addr=slot_addr, weights_info=target.weights_info)
+            self._queue.submit(target, writes, slot=slot)
+            self._num_writes += len(writes)
+            self._num_regions += len(chunk.regions)
+            self._per_target[target.session_id] = (
+                self._per_target.get(target.session_id, 0) + chunk.num_bytes
+            )
+        self._fill_s += t1 - t0
+        self._write_s += time.perf_counter() - t1
 
 
 def _address_on(weights_info: Mapping[str, tuple[int, int, int]]):
@@ -203,10 +254,17 @@ def _no_address(param_name: str, offset: int) -> int:
     return offset
 
 
-def _synchronize(staging_device: torch.device, bucket: Bucket) -> None:
-    """Wait for enqueued GPU copies before the transport reads the slot."""
-    devices = {s.tensor.device for s in bucket.sources if s.tensor.device.type == "cuda"}
+def _record_copies(staging_device: torch.device, chunk: Chunk) -> list[torch.cuda.Event]:
+    """Events after the chunk's copies on every CUDA stream that runs them (none on the host).
+
+    The transport may read the chunk only once they completed.
+    """
+    devices = {s.tensor.device for s in chunk.sources if s.tensor.device.type == "cuda"}
     if staging_device.type == "cuda":
         devices.add(staging_device)
+    events = []
     for device in devices:
-        torch.cuda.current_stream(device).synchronize()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events

@@ -36,9 +36,12 @@ class WeightSender:
     A push streams the tensors once. Each tensor the plan needs is packed, per destination
     layout, into buckets of at most ``bucket_bytes``; each bucket is copied (and cast) into a
     slot of a staging ring registered with the transport once, then written to every target
-    of its layout, adjacent runs coalesced. Filling the next slot overlaps the writes of the
-    previous one. Staging memory is ``num_slots * bucket_bytes``, on the host (pinned when
-    CUDA is available) or, for CUDA tensors and a transport that reads GPU memory, on the GPU.
+    of its layout, adjacent runs coalesced. A slot is filled in chunks of about
+    ``chunk_bytes`` and each chunk's writes start as soon as it is filled, so the fill overlaps
+    the writes even when a push has a single bucket; filling the next slot overlaps the
+    writes of the previous one too. Staging memory is ``num_slots * bucket_bytes``, on the
+    host (pinned when CUDA is available) or, for CUDA tensors and a transport that reads GPU
+    memory, on the GPU.
     The sender does not own the transport: closing it is the caller's job.
     """
 

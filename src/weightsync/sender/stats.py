@@ -16,6 +16,8 @@ class PushStats:
         num_writes: transport write requests over all targets, after coalescing.
         num_regions: destination regions over all targets, before coalescing.
         num_buckets: staging slots filled (one per bucket and layout).
+        num_chunks: fill-then-write steps over all buckets (a bucket is filled and written
+            in chunks, so that its writes start before it is full).
         num_copies: copies into staging after fusing (many small expert tensors that are
             views of one fused parameter take one strided copy).
         seconds: wall time of the push.
@@ -30,6 +32,7 @@ class PushStats:
     num_writes: int
     num_regions: int
     num_buckets: int
+    num_chunks: int
     num_copies: int
     seconds: float
     fill_seconds: float
