@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -53,3 +55,45 @@ def test_demo_refuses_bad_options():
     )
     assert proc.returncode == 2
     assert "--rollout-ep" in proc.stderr and "MoE" in proc.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_demo_cleans_up_every_process_when_interrupted(tmp_path, signum):
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync", "demo", "--steps", "100", "--replicas", "1",
+         "--workdir", str(workdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        # The first sync's table means replicas and trainer ranks are all up.
+        for line in proc.stdout:
+            if line.startswith("sync 1"):
+                break
+        else:
+            pytest.fail(f"the demo ended before its first sync (exit {proc.wait()})")
+        assert _processes_using(workdir), "the replicas should be running"
+        proc.send_signal(signum)
+        proc.stdout.read()
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _processes_using(workdir) == []
+
+
+def _processes_using(workdir) -> list[str]:
+    """Command lines of live replica processes serving the demo's checkpoint in `workdir`."""
+    needle = f"--model {workdir / 'checkpoint'} "
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                cmdline = file.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in cmdline:
+            found.append(cmdline)
+    return found

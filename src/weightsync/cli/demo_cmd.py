@@ -7,6 +7,7 @@ import multiprocessing
 import queue
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def demo(
         "generation_match": False,
     }
     failure: str | None = None
+    previous_handlers = _interrupt_on_signals()
     try:
         with _progress(console, quiet=False) as progress:
             task = progress.add_task("writing checkpoint", total=steps + 3)
@@ -116,6 +118,8 @@ def demo(
             proc.join(timeout=10)
         for replica in started:
             replica.stop()
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
         if own_workdir and failure is None:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -267,6 +271,23 @@ def _check_args(
         bad("--dtype", f"choose one of {', '.join(_DTYPES)}")
     if rollout_ep > 1 and not preset_config(model)["model_type"].endswith("moe"):
         bad("--rollout-ep", f"expert parallelism needs an MoE model (e.g. tiny-moe), not {model}")
+
+
+def _interrupt_on_signals() -> dict[int, Any]:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt, so the demo's cleanup runs.
+
+    A shell starts background jobs with SIGINT ignored, and SIGTERM would end the process
+    without cleanup: either way the replicas, which run in sessions of their own, would be
+    left behind. Returns the previous handlers.
+    """
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, interrupt)
+    return previous
 
 
 def _free_port() -> int:
