@@ -9,11 +9,12 @@ expert block's gate and up halves in one call, whatever the tensor-parallel spli
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,12 +25,13 @@ from weightsync.sender.chunks import Chunk
 _MIN_PARALLEL_BYTES = 4 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class CopyOp:
+class CopyOp(NamedTuple):
     """One strided copy from a source storage into the typed staging buffer.
 
     ``base.as_strided(size, src_stride, src_offset)`` is copied (and cast) into
     ``staging.as_strided(size, dst_stride, dst_offset)``; offsets and strides are in elements.
+    `whole` says that the source view is `base` itself. A named tuple: a push makes one per
+    source box.
     """
 
     base: torch.Tensor
@@ -38,6 +40,7 @@ class CopyOp:
     src_offset: int
     dst_stride: tuple[int, ...]
     dst_offset: int
+    whole: bool = False  # the view is `base` itself: no view to make
 
     @property
     def numel(self) -> int:
@@ -63,7 +66,11 @@ class CopyOp:
 
     def run(self, staging: torch.Tensor) -> None:
         """Copy into `staging` (the whole ring as a 1-D tensor of the plan dtype)."""
-        src = self.base.as_strided(self.size, self.src_stride, self.src_offset)
+        src = (
+            self.base
+            if self.whole
+            else self.base.as_strided(self.size, self.src_stride, self.src_offset)
+        )
         dst = staging.as_strided(self.size, self.dst_stride, self.dst_offset)
         dst.copy_(src, non_blocking=dst.device != src.device)
 
@@ -76,31 +83,30 @@ def _contiguous_strides(size: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# A plan repeats a handful of boxes over thousands of tensors (every expert reads the same
+# rows), so their geometry is computed once per box and stride.
+@functools.lru_cache(maxsize=4096)
+def _box_geometry(
+    box: tuple[tuple[int, int], ...], stride: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """``(size, contiguous strides, element offset from the tensor's start)`` of a box."""
+    size = tuple(hi - lo for lo, hi in box)
+    offset = sum(lo * s for (lo, _), s in zip(box, stride, strict=True))
+    return size, _contiguous_strides(size), offset
+
+
 def _single_op(source: SourceBox, slot_base: int, element_size: int) -> CopyOp:
     tensor = source.tensor
     stride = tensor.stride()
-    size = tuple(hi - lo for lo, hi in source.box)
-    offset = tensor.storage_offset() + sum(
-        lo * s for (lo, _), s in zip(source.box, stride, strict=True)
-    )
+    size, dst_stride, offset = _box_geometry(source.box, stride)
     return CopyOp(
         tensor,
         size,
-        tuple(stride),
-        offset,
-        _contiguous_strides(size),
+        stride,
+        tensor.storage_offset() + offset,
+        dst_stride,
         slot_base + source.slot_offset // element_size,
-    )
-
-
-def _signature(op: CopyOp) -> tuple:
-    base = op.base
-    return (
-        base.untyped_storage().data_ptr(),
-        base.dtype,
-        base.device,
-        op.size,
-        op.src_stride,
+        offset == 0 and size == tensor.shape,
     )
 
 
@@ -136,9 +142,14 @@ def fuse_copies(sources: Sequence[SourceBox], *, slot_base: int, element_size: i
         run.clear()
 
     signature = None
+    last_tensor, tensor_key = None, None
     for source in sources:
         op = _single_op(source, slot_base, element_size)
-        op_signature = _signature(op)
+        if op.base is not last_tensor:
+            # Consecutive boxes mostly read one tensor: its storage is looked up once.
+            last_tensor = op.base
+            tensor_key = (last_tensor.untyped_storage().data_ptr(), op.base.dtype, op.base.device)
+        op_signature = (tensor_key, op.size, op.src_stride)
         if run and op_signature == signature:
             src_step = op.src_offset - run[-1].src_offset
             dst_step = op.dst_offset - run[-1].dst_offset
@@ -207,19 +218,22 @@ class SlotFiller:
         ops = fuse_copies(
             contents.sources, slot_base=slot_start // element_size, element_size=element_size
         )
-        on_host = staging_typed.device.type == "cpu" and all(
-            op.base.device.type == "cpu" for op in ops
-        )
+        on_host = staging_typed.is_cpu and all(op.base.is_cpu for op in ops)
         parallel = self._num_workers > 1 and on_host and contents.num_bytes >= _MIN_PARALLEL_BYTES
         if not parallel or not ops:
-            for op in ops:
-                op.run(staging_typed)
+            if on_host:
+                _run_all(ops, staging_typed, on_host=True)
+            else:
+                for op in ops:
+                    op.run(staging_typed)
             return len(ops)
         chunks = _balance(ops, self._num_workers)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._num_workers, thread_name_prefix="weightsync-fill")
-        futures = [self._pool.submit(_run_all, chunk, staging_typed) for chunk in chunks[1:]]
-        _run_all(chunks[0], staging_typed)
+        futures = [
+            self._pool.submit(_run_all, chunk, staging_typed, on_host=True) for chunk in chunks[1:]
+        ]
+        _run_all(chunks[0], staging_typed, on_host=True)
         for future in futures:
             future.result()
         return len(ops)
@@ -231,10 +245,18 @@ class SlotFiller:
             self._pool = None
 
 
-def _run_all(ops: Sequence[CopyOp], staging_typed: torch.Tensor) -> None:
+def _run_all(ops: Sequence[CopyOp], staging_typed: torch.Tensor, *, on_host: bool) -> None:
     with torch.no_grad():
-        for op in ops:
-            op.run(staging_typed)
+        if not on_host:
+            for op in ops:
+                op.run(staging_typed)
+            return
+        # `CopyOp.run` inlined for host copies (blocking, no device to compare): a push runs
+        # one per source box.
+        view = staging_typed.as_strided
+        for base, size, src_stride, src_offset, dst_stride, dst_offset, whole in ops:
+            src = base if whole else base.as_strided(size, src_stride, src_offset)
+            view(size, dst_stride, dst_offset).copy_(src)
 
 
 def _balance(ops: Sequence[CopyOp], parts: int) -> list[list[CopyOp]]:

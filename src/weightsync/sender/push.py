@@ -37,6 +37,7 @@ class PushRun:
         filler: SlotFiller,
         queue: WriteQueue,
         declared_shapes: Mapping[str, tuple[int, ...]],
+        checked_shapes: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         """Prepare one packer per layout of the plan.
 
@@ -48,6 +49,9 @@ class PushRun:
             filler: runs the copies into a slot.
             queue: submits and waits for writes.
             declared_shapes: the shapes the rank declared for the plan (may be empty).
+            checked_shapes: ``{hf_name: shape}`` already found to hold every box this plan
+                reads of the tensor; filled as tensors pass, so that the caller can keep it
+                for the next push of the same plan and skip checking the boxes again.
 
         Raises:
             ValueError: the plan's dtype is not one weightsync moves.
@@ -57,6 +61,7 @@ class PushRun:
         self._filler = filler
         self._queue = queue
         self._declared = declared_shapes
+        self._checked = {} if checked_shapes is None else checked_shapes
         self._dtype = getattr(torch, plan.dtype, None)
         if not isinstance(self._dtype, torch.dtype) or plan.dtype not in DTYPE_SIZES:
             raise ValueError(f"the plan's dtype {plan.dtype!r} is not one weightsync moves")
@@ -78,6 +83,8 @@ class PushRun:
         # export that materialises its tensors for the whole push.
         self._source_device = torch.device("cpu")
         self._seen_source = False
+        # Whether a CUDA tensor joined a bucket: only then may a host slot's copies be pending.
+        self._cuda_sources = False
         self._bytes_staged = 0
         self._num_buckets = 0
         self._num_chunks = 0
@@ -108,6 +115,8 @@ class PushRun:
             self._check(hf_name, tensor, works)
             if not self._seen_source:
                 self._source_device, self._seen_source = tensor.device, True
+            if tensor.is_cuda:
+                self._cuda_sources = True
             for stage in works:
                 for bucket in self._packers[stage.layout_id].add(tensor, stage.items):
                     self._stage_and_write(bucket)
@@ -158,6 +167,9 @@ class PushRun:
             raise ValueError(
                 f"{where} has shape {shape}, but the plan was built for shape {declared}"
             )
+        # The boxes depend only on the plan: a shape that held them once holds them again.
+        if self._checked.get(hf_name) == shape:
+            return
         for stage in works:
             for item in stage.items:
                 if item.hf_name is None:
@@ -170,6 +182,7 @@ class PushRun:
                         f"{where} has shape {shape}, but the plan reads box {box} of it for "
                         f"parameter {item.param_name!r}"
                     )
+        self._checked[hf_name] = shape
 
     def _stage_and_write(self, bucket: Bucket) -> None:
         """Stage `bucket` in the next slot chunk by chunk, submitting each chunk's writes.
@@ -201,7 +214,8 @@ class PushRun:
                 slot_index=slot,
                 slot_bytes=ring.slot_bytes,
             )
-            events = _record_copies(ring.device, chunk)
+            on_gpu = self._cuda_sources or ring.device.type == "cuda"
+            events = _record_copies(ring.device, chunk) if on_gpu else []
             self._fill_s += time.perf_counter() - t1
             if pending is not None:
                 self._write_chunk(bucket.layout_id, *pending, slot=slot, slot_addr=slot_addr)

@@ -72,6 +72,9 @@ class WeightSender:
             max_outstanding_per_peer=config.max_outstanding_per_peer,
         )
         self._declared: dict[str, tuple[int, ...]] = {}
+        # Per-plan facts kept between pushes of the same plan (compared by identity).
+        self._cached_plan: SourcePlan | None = None
+        self._checked_shapes: dict[str, tuple[int, ...]] = {}
         self._closed = False
 
     @property
@@ -147,6 +150,8 @@ class WeightSender:
         """
         if self._closed:
             raise ValueError("push() on a closed WeightSender")
+        if plan is not self._cached_plan:
+            self._cached_plan, self._checked_shapes = plan, {}
         run = PushRun(
             plan,
             config=self.config,
@@ -154,6 +159,7 @@ class WeightSender:
             filler=self._filler,
             queue=self._queue,
             declared_shapes=self._declared,
+            checked_shapes=self._checked_shapes,
         )
         try:
             return run.execute(tensors)
