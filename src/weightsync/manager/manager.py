@@ -266,15 +266,20 @@ class SyncManager:
             )
         return tuple(targets)
 
-    async def _on_all(self, replicas: Sequence[str], method: str, **kwargs: Any) -> dict[str, Any]:
-        """Call `method` on every replica at once; raise the first failure, naming it."""
+    async def _call_all(
+        self, replicas: Sequence[str], method: str, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Call `method` on every replica at once; each replica's result or exception."""
         results = await asyncio.gather(
             *(getattr(self._clients[url], method)(**kwargs) for url in replicas),
             return_exceptions=True,
         )
-        failures = [
-            (u, r) for u, r in zip(replicas, results, strict=True) if isinstance(r, BaseException)
-        ]
+        return dict(zip(replicas, results, strict=True))
+
+    async def _on_all(self, replicas: Sequence[str], method: str, **kwargs: Any) -> dict[str, Any]:
+        """Call `method` on every replica at once; raise the first failure, naming it."""
+        results = await self._call_all(replicas, method, **kwargs)
+        failures = _failures(results)
         if failures:
             url, exc = failures[0]
             others = f" (and {len(failures) - 1} more replica(s))" if len(failures) > 1 else ""
@@ -283,25 +288,17 @@ class SyncManager:
             raise RemoteReplicaError(
                 f"{method} failed on replica {url}{others}: {exc}", replica=url, route=method
             ) from exc
-        return dict(zip(replicas, results, strict=True))
+        return results
 
     async def _begin(self, replicas: Sequence[str]) -> None:
-        selector = self._config.selector
-        results = await asyncio.gather(
-            *(self._clients[u].begin_weight_update(selector=selector) for u in replicas),
-            return_exceptions=True,
+        results = await self._call_all(
+            replicas, "begin_weight_update", selector=self._config.selector
         )
-        failed = [
-            (u, r) for u, r in zip(replicas, results, strict=True) if isinstance(r, BaseException)
-        ]
+        failed = _failures(results)
         if not failed:
             return
-        began = [
-            u for u, r in zip(replicas, results, strict=True) if not isinstance(r, BaseException)
-        ]
-        await asyncio.gather(
-            *(self._clients[u].end_weight_update() for u in began), return_exceptions=True
-        )
+        began = [u for u, r in results.items() if not isinstance(r, BaseException)]
+        await self._call_all(began, "end_weight_update")
         await self._resume(replicas, best_effort=True)
         url, exc = failed[0]
         raise RemoteReplicaError(
@@ -313,9 +310,7 @@ class SyncManager:
 
     async def _abandon(self, replicas: Sequence[str], *, resume: bool) -> None:
         """End every session after a failure; resume serving only if no byte was written."""
-        await asyncio.gather(
-            *(self._clients[u].end_weight_update() for u in replicas), return_exceptions=True
-        )
+        await self._call_all(replicas, "end_weight_update")
         if resume:
             await self._resume(replicas, best_effort=True)
         else:
@@ -330,30 +325,19 @@ class SyncManager:
         if self._config.release_kv_cache:
             steps.append(("resume_memory_occupation", {"tags": ["kv_cache"]}))
         steps += [("flush_cache", {}), ("continue_generation", {})]
+        call = self._call_all if best_effort else self._on_all
         for method, kwargs in steps:
-            if best_effort:
-                await asyncio.gather(
-                    *(getattr(self._clients[u], method)(**kwargs) for u in replicas),
-                    return_exceptions=True,
-                )
-            else:
-                await self._on_all(replicas, method, **kwargs)
+            await call(replicas, method, **kwargs)
 
     async def _compare(self, replicas: Sequence[str]) -> None:
-        results = await asyncio.gather(
-            *(
-                self._clients[u].weights_checker(
-                    action="compare",
-                    allow_quant_error=self._config.allow_quant_error,
-                    timeout_s=self._config.check_timeout_s,
-                )
-                for u in replicas
-            ),
-            return_exceptions=True,
+        results = await self._call_all(
+            replicas,
+            "weights_checker",
+            action="compare",
+            allow_quant_error=self._config.allow_quant_error,
+            timeout_s=self._config.check_timeout_s,
         )
-        failed = [
-            (u, r) for u, r in zip(replicas, results, strict=True) if isinstance(r, BaseException)
-        ]
+        failed = _failures(results)
         if failed:
             self._dirty.update(u for u, _ in failed)
             url, exc = failed[0]
@@ -361,6 +345,10 @@ class SyncManager:
                 f"bit-exact check failed on replica {url}: the first sync did not restore the "
                 f"snapshotted weights: {exc}"
             ) from exc
+
+
+def _failures(results: dict[str, Any]) -> list[tuple[str, BaseException]]:
+    return [(u, r) for u, r in results.items() if isinstance(r, BaseException)]
 
 
 def _num_ranks(url: str, server_info: dict[str, Any]) -> int:
