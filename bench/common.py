@@ -39,7 +39,15 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 # and untied embeddings; MoE ones qwen3_moe-shaped).
 PRESETS: dict[str, dict[str, Any]] = {
     name: preset_config(name)
-    for name in ("tiny", "dense-256m", "dense-1g", "dense-8b", "moe-small", "qwen3-30b-a3b")
+    for name in (
+        "tiny",
+        "dense-256m",
+        "dense-1g",
+        "dense-8b",
+        "dense-32b",
+        "moe-small",
+        "qwen3-30b-a3b",
+    )
 }
 _COMMON = {"max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
 

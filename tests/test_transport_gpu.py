@@ -113,6 +113,40 @@ def test_cuda_ipc_scattered_regions_and_a_write_past_the_end() -> None:
         peer.close()
 
 
+@two_gpus
+def test_cuda_ipc_write_after_stream_waits_for_the_producing_work() -> None:
+    num_bytes = 256 * MIB
+    peer = PeerProcess(num_bytes=num_bytes, transport="ipc", device="cuda:1")
+    try:
+        src = torch.zeros(num_bytes, dtype=torch.uint8, device="cuda:0")
+        expected = random_bytes(num_bytes, 5, "cuda:0")
+        torch.cuda.synchronize(0)
+        with CudaIpcTransport(0) as transport:
+            transport.register(src.data_ptr(), num_bytes)
+            stream = torch.cuda.current_stream(0)
+            for _ in range(3):
+                src.zero_()
+                torch.cuda.synchronize(0)
+                # The source is still zeros when `write` returns: a long sleep kernel holds
+                # the stream, and the bytes are only copied in behind it. A copy that did
+                # not wait for the stream would send zeros.
+                torch.cuda._sleep(200_000_000)
+                src.copy_(expected)
+                handle = transport.write(
+                    peer.session_id,
+                    [src.data_ptr()],
+                    [peer.addr],
+                    [num_bytes],
+                    after_stream=stream.cuda_stream,
+                )
+                assert not stream.query()
+                transport.wait(handle, 30.0)
+                assert peer.command("eqrand 5") == "1"
+                assert peer.command("zero") == "ok"
+    finally:
+        peer.close()
+
+
 @pytest.mark.skipif(not _mooncake_has_cuda(), reason="Mooncake without CUDA support")
 def test_mooncake_between_gpu_memory_of_two_processes() -> None:
     num_bytes = 256 * MIB

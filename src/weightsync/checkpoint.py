@@ -92,6 +92,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "head_dim": 128,
     },
+    # ~65.5 GB: Qwen3-32B's shapes, a 32B dense model (GPU).
+    "dense-32b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
     # ~0.3 GB MoE with many small experts: per-tensor loading shows on CPU.
     "moe-small": {
         "model_type": "qwen3_moe",

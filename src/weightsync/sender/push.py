@@ -189,8 +189,10 @@ class PushRun:
 
         On the host a chunk's copies are done when `fill` returns, so its writes go out at
         once, while the next chunk fills. Copies that run on a CUDA stream are only enqueued:
-        a chunk's writes wait for its events, after the next chunk's copies were enqueued, so
-        the GPU copies one chunk while the transport reads the previous one.
+        with a stream-ordered transport (CUDA IPC) a chunk's writes are queued at once behind
+        its copies on the GPU; otherwise they wait on the host for the chunk's events, after
+        the next chunk's copies were enqueued. Either way the GPU copies one chunk while the
+        transport reads the previous one.
         """
         ring = self._ring_for(self._source_device)
         slot = self._next_slot
@@ -214,6 +216,20 @@ class PushRun:
                 slot_index=slot,
                 slot_bytes=ring.slot_bytes,
             )
+            after_stream = self._producing_stream(ring.device, chunk)
+            if after_stream is not None:
+                # The transport's copies wait for the fill on the GPU: nothing blocks here,
+                # and the GPU fills the next chunk while it writes this one.
+                self._fill_s += time.perf_counter() - t1
+                self._write_chunk(
+                    bucket.layout_id,
+                    chunk,
+                    [],
+                    slot=slot,
+                    slot_addr=slot_addr,
+                    after_stream=after_stream,
+                )
+                continue
             on_gpu = self._cuda_sources or ring.device.type == "cuda"
             events = _record_copies(ring.device, chunk) if on_gpu else []
             self._fill_s += time.perf_counter() - t1
@@ -230,6 +246,18 @@ class PushRun:
         self._num_buckets += 1
         self._num_chunks += len(chunks)
 
+    def _producing_stream(self, staging_device: torch.device, chunk: Chunk) -> int | None:
+        """The raw CUDA stream that fills `chunk` when the transport can order its writes
+        after it: a GPU slot filled from the host or from that GPU only (every such copy is
+        queued on the slot device's current stream). None: synchronize before writing."""
+        if staging_device.type != "cuda" or not self._queue.stream_ordered:
+            return None
+        for source in chunk.sources:
+            device = source.tensor.device
+            if device.type != "cpu" and device != staging_device:
+                return None
+        return torch.cuda.current_stream(staging_device).cuda_stream
+
     def _write_chunk(
         self,
         layout_id: int,
@@ -238,15 +266,17 @@ class PushRun:
         *,
         slot: int,
         slot_addr: int,
+        after_stream: int | None = None,
     ) -> None:
-        """Submit `chunk`'s writes to every target of its layout, once its copies are done."""
+        """Submit `chunk`'s writes to every target of its layout, once its copies are done
+        (on the host: `events`; on the GPU: the work queued on `after_stream`)."""
         t0 = time.perf_counter()
         for event in events:
             event.synchronize()
         t1 = time.perf_counter()
         for target in self._plan.targets[layout_id]:
             writes = coalesce(chunk.regions, slot_addr=slot_addr, weights_info=target.weights_info)
-            self._queue.submit(target, writes, slot=slot)
+            self._queue.submit(target, writes, slot=slot, after_stream=after_stream)
             self._num_writes += len(writes)
             self._num_regions += len(chunk.regions)
             self._per_target[target.session_id] = (

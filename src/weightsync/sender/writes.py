@@ -114,14 +114,36 @@ class WriteQueue:
         self._peers: dict[str, _Peer] = defaultdict(_Peer)
         self._slots: dict[int, list[_Batch]] = defaultdict(list)
 
-    def submit(self, target: TargetRank, writes: Sequence[Write], *, slot: int) -> None:
+    @property
+    def stream_ordered(self) -> bool:
+        """Whether the transport's writes can wait on the GPU for a CUDA stream that is
+        still producing their sources (see `submit`'s ``after_stream``)."""
+        return bool(getattr(self._transport, "stream_ordered", False))
+
+    def submit(
+        self,
+        target: TargetRank,
+        writes: Sequence[Write],
+        *,
+        slot: int,
+        after_stream: int | None = None,
+    ) -> None:
         """Start `writes` to `target`; they read slot `slot` until `wait_slot(slot)`.
+
+        Args:
+            target: the rollout rank written into.
+            writes: the requests, in order.
+            slot: the staging slot they read.
+            after_stream: with a `stream_ordered` transport, the raw CUDA stream whose queued
+                copies fill the slot: the writes wait for them on the GPU. None: the slot's
+                bytes are final already.
 
         Raises:
             TransferError: the transport refused a batch, or an earlier batch to the same
                 peer failed while making room.
         """
         peer = self._peers[target.session_id]
+        ordering = {} if after_stream is None else {"after_stream": after_stream}
         for start in range(0, len(writes), self._limit):
             chunk = writes[start : start + self._limit]
             while peer.batches and peer.outstanding + len(chunk) > self._limit:
@@ -132,6 +154,7 @@ class WriteQueue:
                     [w.src_addr for w in chunk],
                     [w.dst_addr for w in chunk],
                     [w.num_bytes for w in chunk],
+                    **ordering,
                 )
             except TransferError as exc:
                 raise _named(exc, target, chunk) from exc

@@ -13,6 +13,12 @@ A transport knows bytes and addresses only; it never sees parameter names. Call 
    returns.
 3. Both sides call `close()` when done; it unregisters everything and may be called again.
 
+Optional capabilities, looked up with ``getattr``: ``supports_device(device) -> bool`` (the
+transport can read registered memory on that device, not only host memory) and
+``stream_ordered = True`` (`write` takes ``after_stream=``, a raw CUDA stream whose queued
+work produces the source bytes; the copies wait for it on the GPU, so the writer need not
+synchronize first).
+
 Failure semantics: `wait` raises `TransferError` when a region could not be written or the
 timeout passed. Such a write may still land later, so the caller treats the destination as
 dirty until a later full write to it succeeds.

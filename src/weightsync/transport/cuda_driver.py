@@ -199,6 +199,11 @@ class CudaDriver:
         """``cuEventQuery``: 0 when done, `CUDA_ERROR_NOT_READY` while running, else an error."""
         return self.try_call("cuEventQuery", event)
 
+    def stream_wait_event(self, stream: ctypes.c_void_p, event: ctypes.c_void_p) -> int:
+        """``cuStreamWaitEvent``: work queued on `stream` from now on waits for `event`'s
+        last record; returns the result code."""
+        return self.try_call("cuStreamWaitEvent", stream, event, ctypes.c_uint(0))
+
     def event_destroy(self, event: ctypes.c_void_p) -> None:
         """``cuEventDestroy``."""
         self._call("cuEventDestroy_v2", event)

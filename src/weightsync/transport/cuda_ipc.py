@@ -110,8 +110,10 @@ class _IpcWrite(WriteHandle):
 class CudaIpcTransport:
     """`Transport` between processes on one host whose memory is on (NVLink-connected) GPUs.
 
-    The bytes at the source addresses must be final when `write` is called (synchronize the
-    stream that produced them first): the copies run on the transport's own stream.
+    The bytes at the source addresses must be final when `write` is called, or be produced by
+    work queued on the stream passed as ``after_stream``: the copies run on the transport's
+    own stream, which then waits for that work on the GPU (``stream_ordered`` says a
+    transport offers this).
 
     One instance per process and GPU. It is a receiver (register GPU memory, publish it) and
     a writer (copy from registered memory of `device`, or host memory, into a peer's GPU
@@ -144,10 +146,14 @@ class CudaIpcTransport:
         self._peers: dict[str, _Peer] = {}
         self._stream: ctypes.c_void_p | None = None
         self._free_events: list[ctypes.c_void_p] = []
+        self._ready_event: ctypes.c_void_p | None = None
         self._closed = False
         self._server = RegistryServer(hostname, port, self._snapshot())
         host = f"[{hostname}]" if ":" in hostname else hostname
         self._session_id = f"{SESSION_PREFIX}{host}:{self._server.port}"
+
+    stream_ordered = True
+    """`write` takes ``after_stream``: sources may still be in flight on a CUDA stream."""
 
     @property
     def session_id(self) -> str:
@@ -237,11 +243,24 @@ class CudaIpcTransport:
         src_addrs: Sequence[int],
         dst_addrs: Sequence[int],
         lengths: Sequence[int],
+        *,
+        after_stream: int | None = None,
     ) -> WriteHandle:
         """Queue one copy per region on this transport's stream and return at once.
 
         A region outside the receiver's registered memory fails the whole write before any
         copy is queued.
+
+        Args:
+            target_session: the receiver's ``"ipc:<host>:<port>"``.
+            src_addrs: source addresses, in registered memory of this process.
+            dst_addrs: the receiver's addresses, inside memory it registered.
+            lengths: bytes per region.
+            after_stream: a CUDA stream of this transport's device (its raw handle, e.g.
+                ``torch.cuda.current_stream().cuda_stream``) whose queued work produces the
+                source bytes: the copies wait for that work on the GPU instead of the caller
+                synchronizing first, so the call never blocks on the device. None: the bytes
+                are final already.
 
         Raises:
             ValueError: bad sequences, or a source region outside registered memory.
@@ -257,7 +276,7 @@ class CudaIpcTransport:
         except TransferError as exc:
             handle.error = exc
             return handle
-        self._issue(handle, src, local_dst)
+        self._issue(handle, src, local_dst, after_stream)
         return handle
 
     def wait(self, handle: WriteHandle, timeout_s: float) -> None:
@@ -319,6 +338,9 @@ class CudaIpcTransport:
             for event in self._free_events:
                 self._driver.event_destroy(event)
             self._free_events.clear()
+            if self._ready_event is not None:
+                self._driver.event_destroy(self._ready_event)
+                self._ready_event = None
         for peer in peers.values():
             self._unmap(peer)
 
@@ -429,11 +451,15 @@ class CudaIpcTransport:
             peer.mapped[allocation.base] = mapped
             return mapped
 
-    def _issue(self, handle: _IpcWrite, src: list[int], local_dst: list[int]) -> None:
+    def _issue(
+        self, handle: _IpcWrite, src: list[int], local_dst: list[int], after_stream: int | None
+    ) -> None:
         with self._copy_lock:
             self._driver.use_device(self._device)
             if self._stream is None:
                 self._stream = self._driver.stream_create()
+            if after_stream is not None and not self._wait_for(handle, after_stream):
+                return
             for index, (to, frm, length) in enumerate(
                 zip(local_dst, src, handle.lengths, strict=True)
             ):
@@ -454,6 +480,21 @@ class CudaIpcTransport:
                 handle.error = self._error(handle, "cuEventRecord failed", code, [])
                 return
             handle.event = event
+
+    def _wait_for(self, handle: _IpcWrite, stream: int) -> bool:
+        """Make the transport's stream wait for the work queued on `stream` so far (under the
+        copy lock). One event serves every wait: a wait binds to the record before it."""
+        if self._ready_event is None:
+            self._ready_event = self._driver.event_create()
+        code = self._driver.event_record(self._ready_event, ctypes.c_void_p(stream))
+        if code == CUDA_SUCCESS:
+            code = self._driver.stream_wait_event(self._stream, self._ready_event)
+        if code != CUDA_SUCCESS:
+            handle.error = self._error(
+                handle, "cannot order the copies after the producing stream", code, []
+            )
+            return False
+        return True
 
     def _recycle(self, handle: _IpcWrite) -> None:
         event, handle.event = handle.event, None
