@@ -8,11 +8,12 @@ this process, then measures, in this order:
 
 1. each lifecycle control call on its own (median over ``--calls`` rounds);
 2. the links, over the bytes one sync writes: a raw CUDA IPC write of every destination
-   region straight from one source buffer (no plan, no staging: what the transport alone
-   reaches), an in-process peer copy and an NCCL broadcast between two processes;
-3. ``WeightSender.push`` alone for each sender setting of the sweep (slot, chunk, slots),
-   and for the default one with the transport's stream ordering hidden (writes then wait on
-   the host for each chunk's copies);
+   region straight from one source buffer, over 1, 2 and 4 streams (no plan, no staging:
+   what the transport alone reaches), an in-process peer copy and an NCCL broadcast between
+   two processes;
+3. ``WeightSender.push`` alone for each setting of the sweep (slot, chunk, slots, CUDA IPC
+   streams), and for the default one with the transport's stream ordering hidden (writes
+   then wait on the host for each chunk's copies);
 4. ``TrainerSync.sync`` end to end (pause to resume) ``--repeats`` times, with its phases.
 
 The replica snapshots its weights first (they equal the trainer's: both are seeded synthetic
@@ -35,14 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GIB, MIB, PRESETS, GpuCeiling, median, print_table, workload_config, write_config
 
-# (slot MiB, chunk MiB, slots): the default first.
+# (slot MiB, chunk MiB or None for the default, slots, transport streams): the default first.
 _SWEEP = (
-    (1024, 64, 2),
-    (512, 64, 2),
-    (1024, 16, 2),
-    (1024, 256, 2),
-    (2048, 128, 2),
-    (256, 32, 4),
+    (1024, None, 2, 1),
+    (1024, 64, 2, 1),
+    (512, None, 2, 1),
+    (2048, 512, 2, 1),
+    (1024, None, 3, 1),
+    (1024, None, 2, 2),
+    (1024, None, 2, 4),
 )
 _LIFECYCLE = (
     ("pause_generation", {"mode": "abort"}),
@@ -135,10 +137,16 @@ def _push_sweep(transport: Any, plan: Any, export: Any, repeats: int) -> list[di
 
     rows = []
     settings = [(*s, True) for s in _SWEEP] + [(*_SWEEP[0], False)]
-    for slot_mb, chunk_mb, slots, ordered in settings:
+    if not hasattr(transport, "num_streams"):
+        settings = [s for s in settings if s[3] == 1]
+    for slot_mb, chunk_mb, slots, streams, ordered in settings:
         config = SenderConfig(
-            bucket_bytes=slot_mb * MIB, chunk_bytes=chunk_mb * MIB, num_slots=slots
+            bucket_bytes=slot_mb * MIB,
+            chunk_bytes=None if chunk_mb is None else chunk_mb * MIB,
+            num_slots=slots,
         )
+        if streams > 1:
+            transport.num_streams = streams
         sender = WeightSender(config, transport=transport if ordered else _HostOrdered(transport))
         try:
             sender.holding(export)
@@ -146,11 +154,14 @@ def _push_sweep(transport: Any, plan: Any, export: Any, repeats: int) -> list[di
             stats = [sender.push(plan, export) for _ in range(repeats)]
         finally:
             sender.close()
+            if streams > 1:
+                transport.num_streams = 1
         rows.append(
             {
                 "slot_mb": slot_mb,
                 "chunk_mb": chunk_mb,
                 "num_slots": slots,
+                "streams": streams,
                 "stream_ordered": ordered,
                 "seconds": median([s.seconds for s in stats]),
                 "min_seconds": min(s.seconds for s in stats),
@@ -161,7 +172,7 @@ def _push_sweep(transport: Any, plan: Any, export: Any, repeats: int) -> list[di
             }
         )
         log(
-            f"  push {slot_mb}/{chunk_mb} MiB x{slots} ordered={ordered}: "
+            f"  push {slot_mb}/{chunk_mb} MiB x{slots} streams={streams} ordered={ordered}: "
             f"{rows[-1]['seconds']:.4f} s"
         )
     return rows
@@ -229,8 +240,16 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         probe.close()
 
         num_bytes = sum(n * e for _, n, e in target.weights_info.values())
-        raw = "cuda_ipc_raw" if cuda else "mooncake_raw"
-        links = {raw: _raw_write(transport, target, device, args.repeats)}
+        if cuda:
+            links = {}
+            for streams in (1, 2, 4):
+                transport.num_streams = streams
+                links[f"cuda_ipc_raw_{streams}s"] = _raw_write(
+                    transport, target, device, args.repeats
+                )
+            transport.num_streams = 1
+        else:
+            links = {"mooncake_raw": _raw_write(transport, target, device, args.repeats)}
         if cuda:
             gpus = (args.trainer_gpu, args.rollout_gpu)
             ceiling = GpuCeiling(num_bytes, gpus=gpus, region_bytes=GIB)
@@ -279,7 +298,8 @@ def _print(result: dict[str, Any]) -> None:
     rows = [[k, f"{v * 1e3:.2f}", "-"] for k, v in result["control_s"].items()]
     rows += [[f"link: {k}", f"{v * 1e3:.2f}", gbps(v)] for k, v in result["links_s"].items()]
     for row in result["sweep"]:
-        name = f"push {row['slot_mb']}/{row['chunk_mb']} MiB x{row['num_slots']}"
+        chunk = "default" if row["chunk_mb"] is None else row["chunk_mb"]
+        name = f"push {row['slot_mb']}/{chunk} MiB x{row['num_slots']} {row['streams']}s"
         name += "" if row["stream_ordered"] else " (host-synced)"
         rows.append([name, f"{row['seconds'] * 1e3:.2f}", gbps(row["seconds"])])
     rows.append(["sync, pause to resume", f"{result['e2e_s'] * 1e3:.2f}", gbps(result["e2e_s"])])

@@ -9,14 +9,16 @@
 # Every step has a hard time limit; a step that fails leaves its log (and the tails of the
 # replicas' logs) in OUT_DIR and the next step still runs. Environment knobs: REPEATS (3),
 # STEPS ("pytest dense moe"; also dense-p2p: P2P and the ceilings only, and moe-short: a
-# tighter limit), BUCKET_MB (512), NCCL_DEBUG (WARN).
+# tighter limit; dense32 and dense32-p2p: the same on a 32B dense model), BUCKET_MB (1024),
+# IPC_STREAMS (1), NCCL_DEBUG (WARN).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-out/gpu_sync}}
 mkdir -p "$out"
 repeats=${REPEATS:-3}
 steps=${STEPS:-"pytest dense moe"}
-bucket_mb=${BUCKET_MB:-512}
+bucket_mb=${BUCKET_MB:-1024}
+ipc_streams=${IPC_STREAMS:-1}
 
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -54,6 +56,7 @@ bench() {  # bench NAME LIMIT_S PRESET [MORE bench/sync.py OPTIONS]
     local start=$SECONDS
     timeout -s INT -k 15 "$limit" python3 bench/sync.py --device cuda --preset "$preset" \
         --replicas 1 --rollout-tp 1 --trainer-ranks 1 --bucket-mb "$bucket_mb" \
+        --ipc-streams "$ipc_streams" \
         --repeats "$repeats" --timeout-s 300 --workdir "$work" "$@" \
         >"$out/$name.out" 2>"$out/$name.log"
     local code=$?
@@ -79,6 +82,8 @@ for step in $steps; do
         ;;
     dense) bench dense 180 dense-8b ;;
     dense-p2p) bench dense 60 dense-8b --methods p2p ;;
+    dense32) bench dense32 300 dense-32b ;;
+    dense32-p2p) bench dense32 150 dense-32b --methods p2p ;;
     moe) bench moe 240 qwen3-30b-a3b ;;
     moe-short) bench moe 100 qwen3-30b-a3b ;;
     *) note "unknown step $step" ;;

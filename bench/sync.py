@@ -101,6 +101,7 @@ class TrainerArgs:
     init_method: str
     timeout_s: float
     transport: str
+    ipc_streams: int
 
 
 # ---------------------------------------------------------------- trainer ranks
@@ -178,7 +179,7 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
             return SyncManager(args.urls, SyncConfig(api_key=args.api_key, http_timeout_s=600.0))
 
         if args.transport == "cuda_ipc":
-            transport = CudaIpcTransport(device=rank)
+            transport = CudaIpcTransport(device=rank, num_streams=args.ipc_streams)
         else:
             transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=args.timeout_s))
         sender = WeightSender(
@@ -389,6 +390,7 @@ def run_workload(
                 init_method=f"tcp://127.0.0.1:{_free_port()}",
                 timeout_s=args.timeout_s,
                 transport=args.transport,
+                ipc_streams=args.ipc_streams,
             )
         )
         log(f"trainer tensors generated in {trainers.generate_s:.1f} s; warm-up syncs")
@@ -612,6 +614,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--trainer-dtype", choices=sorted(_DTYPES), help="default: --dtype")
     parser.add_argument("--bucket-mb", type=int, default=256, help="both methods' bucket")
     parser.add_argument("--num-workers", type=int, default=4, help="P2P sender fill threads")
+    parser.add_argument(
+        "--ipc-streams", type=int, default=1, help="CUDA IPC streams one write is spread over"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=600.0)

@@ -199,8 +199,14 @@ def test_config_defaults() -> None:
     )
     assert config.pin_memory == torch.cuda.is_available()
     assert SenderConfig(bucket_bytes=1000).slot_bytes == 960
-    assert config.chunk_bytes == 64 << 20
-    assert SenderConfig(chunk_bytes=1000).slot_chunk_bytes == 960
+    assert config.chunk_bytes is None
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert config.slot_chunk_bytes(cpu) == 64 << 20
+    assert config.slot_chunk_bytes(gpu) == 256 << 20
+    assert SenderConfig(chunk_bytes=1000).slot_chunk_bytes(cpu) == 960
+    assert SenderConfig(chunk_bytes=1000).slot_chunk_bytes(gpu) == 960
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        SenderConfig(chunk_bytes=0)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             SenderConfig(pin_memory=True)

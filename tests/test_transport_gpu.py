@@ -52,13 +52,14 @@ def _mooncake_env() -> Iterator[None]:
 
 
 @two_gpus
-def test_cuda_ipc_moves_4_gib_gpu0_to_gpu1_at_nvlink_rate() -> None:
+@pytest.mark.parametrize("streams", [1, 4])
+def test_cuda_ipc_moves_4_gib_gpu0_to_gpu1_at_nvlink_rate(streams: int) -> None:
     num_bytes = 4 * GIB
     peer = PeerProcess(num_bytes=num_bytes, transport="ipc", device="cuda:1")
     try:
         src = random_bytes(num_bytes, 7, "cuda:0")
         torch.cuda.synchronize(0)
-        with CudaIpcTransport(0) as transport:
+        with CudaIpcTransport(0, num_streams=streams) as transport:
             transport.register(src.data_ptr(), num_bytes)
 
             def write() -> float:
@@ -72,7 +73,7 @@ def test_cuda_ipc_moves_4_gib_gpu0_to_gpu1_at_nvlink_rate() -> None:
             write()  # opens the IPC handle once
             seconds = [write() for _ in range(5)]
         rate = num_bytes / statistics.median(seconds) / 1e9
-        print(f"CUDA IPC 4 GiB GPU0 -> GPU1: {rate:.1f} GB/s (median of 5)")
+        print(f"CUDA IPC 4 GiB GPU0 -> GPU1, {streams} stream(s): {rate:.1f} GB/s (median of 5)")
         assert peer.command("eqrand 7") == "1"
         assert rate >= 300.0
     finally:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import httpx
 
@@ -13,7 +14,68 @@ from weightsync.errors import RemoteReplicaError
 _MAX_MESSAGE_CHARS = 65536
 
 
-def reply_message(response: httpx.Response) -> str:
+class Reply(Protocol):
+    """What the helpers read of an HTTP reply (an `HttpReply`, or an ``httpx.Response``)."""
+
+    @property
+    def status_code(self) -> int:
+        """The HTTP status."""
+        ...
+
+    @property
+    def reason_phrase(self) -> str:
+        """The status line's phrase."""
+        ...
+
+    @property
+    def is_success(self) -> bool:
+        """Whether the status is a 2xx."""
+        ...
+
+    @property
+    def text(self) -> str:
+        """The body as text."""
+        ...
+
+    def json(self) -> Any:
+        """The body parsed as JSON."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class HttpReply:
+    """A reply read whole: status, phrase and body bytes.
+
+    Attributes:
+        status_code: the HTTP status.
+        reason_phrase: the status line's phrase.
+        content: the body.
+    """
+
+    status_code: int
+    reason_phrase: str
+    content: bytes
+
+    @property
+    def is_success(self) -> bool:
+        """Whether the status is a 2xx."""
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        """The body decoded as UTF-8 (undecodable bytes replaced)."""
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON.
+
+        Raises:
+            json.JSONDecodeError / UnicodeDecodeError: it is not JSON.
+        """
+        return json.loads(self.content)
+
+
+def reply_message(response: Reply) -> str:
     """The server's own explanation in a reply, whichever convention it used.
 
     SGLang and the reference server explain a refusal as ``{"error": {"message": ...}}``,
@@ -33,7 +95,7 @@ def reply_message(response: httpx.Response) -> str:
     return json.dumps(body)[:_MAX_MESSAGE_CHARS]
 
 
-def check_reply(response: httpx.Response, *, replica: str, route: str) -> None:
+def check_reply(response: Reply, *, replica: str, route: str) -> None:
     """Raise if the reply is not a 2xx.
 
     Raises:
@@ -50,7 +112,7 @@ def check_reply(response: httpx.Response, *, replica: str, route: str) -> None:
     )
 
 
-def json_body(response: httpx.Response, *, replica: str, route: str) -> Any:
+def json_body(response: Reply, *, replica: str, route: str) -> Any:
     """The JSON body of a successful reply.
 
     Raises:
@@ -69,9 +131,10 @@ def json_body(response: httpx.Response, *, replica: str, route: str) -> Any:
         ) from exc
 
 
-def unreachable(exc: httpx.HTTPError, *, replica: str, route: str) -> RemoteReplicaError:
+def unreachable(exc: BaseException, *, replica: str, route: str) -> RemoteReplicaError:
     """The error for a call that got no reply (connection refused, timeout, protocol error)."""
-    kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "got no reply"
+    timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
+    kind = "timed out" if timed_out else "got no reply"
     return RemoteReplicaError(
         f"replica {replica}: {route} {kind}: {type(exc).__name__}: {exc}",
         replica=replica,

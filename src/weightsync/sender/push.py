@@ -68,7 +68,7 @@ class PushRun:
         self._element_size = DTYPE_SIZES[plan.dtype]
         slot_bytes = config.slot_bytes
         slot_bytes -= slot_bytes % self._element_size
-        self._chunk_bytes = config.slot_chunk_bytes
+        self._config = config
         self._packers = {
             layout_id: BucketPacker(
                 layout_id=layout_id,
@@ -204,7 +204,9 @@ class PushRun:
         staging_bytes, staging_typed = ring.as_bytes(), ring.as_dtype(self._dtype)
         slot_addr = ring.slot_addr(slot)
         chunks = split_bucket(
-            bucket, chunk_bytes=self._chunk_bytes, element_size=self._element_size
+            bucket,
+            chunk_bytes=self._config.slot_chunk_bytes(ring.device),
+            element_size=self._element_size,
         )
         pending: tuple[Chunk, list[torch.cuda.Event]] | None = None
         for chunk in chunks:

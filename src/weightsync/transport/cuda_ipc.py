@@ -60,6 +60,36 @@ from weightsync.transport.ipc_registry import (
 _POLL_MIN_S = 0.00005
 _POLL_MAX_S = 0.0002
 _FETCH_TIMEOUT_S = 10.0
+# Smaller pieces are not worth another stream: the launch costs more than the bytes take.
+_MIN_PIECE_BYTES = 8 << 20
+
+
+def spread(
+    dst: Sequence[int], src: Sequence[int], lengths: Sequence[int], parts: int, min_piece: int
+) -> list[list[tuple[int, int, int, int]]]:
+    """Regions dealt, in order, into at most `parts` lists of about equal bytes.
+
+    A region is cut where a list is full, unless a piece would be under `min_piece` bytes.
+
+    Returns:
+        Non-empty lists of ``(region index, dst, src, num_bytes)``.
+    """
+    if parts == 1:
+        return [[(i, d, s, n) for i, (d, s, n) in enumerate(zip(dst, src, lengths, strict=True))]]
+    share = max(-(-sum(lengths) // parts), min_piece)
+    out: list[list[tuple[int, int, int, int]]] = [[]]
+    room = share
+    for index, (to, frm, left) in enumerate(zip(dst, src, lengths, strict=True)):
+        while left > 0:
+            if room <= 0 and len(out) < parts:
+                out.append([])
+                room = share
+            take = left if len(out) == parts else min(left, room)
+            if left - take < min_piece or take < min_piece:
+                take = left
+            out[-1].append((index, to, frm, take))
+            to, frm, left, room = to + take, frm + take, left - take, room - take
+    return [part for part in out if part]
 
 
 @dataclass(slots=True)
@@ -94,7 +124,7 @@ class _Peer:
 
 
 class _IpcWrite(WriteHandle):
-    __slots__ = ("dst", "error", "event", "lengths", "lock", "owner")
+    __slots__ = ("dst", "error", "events", "lengths", "lock", "owner")
 
     def __init__(
         self, owner: CudaIpcTransport, target: str, dst: list[int], lengths: list[int]
@@ -103,7 +133,7 @@ class _IpcWrite(WriteHandle):
         self.owner = owner
         self.lock = threading.Lock()
         self.dst, self.lengths = dst, lengths
-        self.event: ctypes.c_void_p | None = None
+        self.events: list[ctypes.c_void_p] = []  # one per stream the copies went to
         self.error: TransferError | None = None
 
 
@@ -120,7 +150,14 @@ class CudaIpcTransport:
     memory) at once. See the module docstring for the design.
     """
 
-    def __init__(self, device: int = 0, *, hostname: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        device: int = 0,
+        *,
+        hostname: str = "127.0.0.1",
+        port: int = 0,
+        num_streams: int = 1,
+    ) -> None:
         """Start the registry server and set up `device`'s context.
 
         Args:
@@ -128,14 +165,19 @@ class CudaIpcTransport:
                 registers and writes from.
             hostname: the address the registry server binds; loopback by default.
             port: the registry server's port, 0 for any free one.
+            num_streams: streams one write's bytes are spread over (pieces of at least
+                8 MiB), so that several copy engines can drive the link at once.
 
         Raises:
-            ValueError: no such device.
+            ValueError: no such device, or `num_streams` < 1.
             WeightSyncError: no CUDA driver.
         """
+        if not isinstance(num_streams, int) or isinstance(num_streams, bool) or num_streams < 1:
+            raise ValueError(f"num_streams must be a positive int, got {num_streams!r}")
         self._driver = driver()
         if not 0 <= device < self._driver.device_count():
             raise ValueError(f"no CUDA device {device} in this process")
+        self._num_streams = num_streams
         self._device = device
         self._driver.use_device(device)
         self._pci_bus_id = self._driver.pci_bus_id(device)
@@ -144,7 +186,7 @@ class CudaIpcTransport:
         self._registered = RegionTable()
         self._exports: dict[int, _Export] = {}
         self._peers: dict[str, _Peer] = {}
-        self._stream: ctypes.c_void_p | None = None
+        self._streams: list[ctypes.c_void_p] = []
         self._free_events: list[ctypes.c_void_p] = []
         self._ready_event: ctypes.c_void_p | None = None
         self._closed = False
@@ -159,6 +201,18 @@ class CudaIpcTransport:
     def session_id(self) -> str:
         """``"ipc:<host>:<port>"``, the address of this process's registry server."""
         return self._session_id
+
+    @property
+    def num_streams(self) -> int:
+        """Streams one write's bytes are spread over; settable between writes."""
+        return self._num_streams
+
+    @num_streams.setter
+    def num_streams(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"num_streams must be a positive int, got {value!r}")
+        with self._copy_lock:
+            self._num_streams = value
 
     @property
     def device(self) -> int:
@@ -292,11 +346,11 @@ class CudaIpcTransport:
         interval = _POLL_MIN_S
         self._driver.use_device(self._device)
         with handle.lock:
-            while handle.error is None and handle.event is not None:
-                code = self._driver.event_query(handle.event)
+            while handle.error is None and handle.events:
+                code = self._driver.event_query(handle.events[-1])
                 if code == CUDA_SUCCESS:
-                    self._recycle(handle)
-                    return
+                    self._recycle(handle, handle.events.pop())
+                    continue
                 if code != CUDA_ERROR_NOT_READY:
                     handle.error = self._error(
                         handle, f"the copy failed: {self._driver.error_name(code)}", code, []
@@ -331,10 +385,10 @@ class CudaIpcTransport:
         self._server.close()
         self._driver.use_device(self._device)
         with self._copy_lock:
-            if self._stream is not None:
-                self._driver.stream_synchronize(self._stream)
-                self._driver.stream_destroy(self._stream)
-                self._stream = None
+            for stream in self._streams:
+                self._driver.stream_synchronize(stream)
+                self._driver.stream_destroy(stream)
+            self._streams.clear()
             for event in self._free_events:
                 self._driver.event_destroy(event)
             self._free_events.clear()
@@ -456,39 +510,44 @@ class CudaIpcTransport:
     ) -> None:
         with self._copy_lock:
             self._driver.use_device(self._device)
-            if self._stream is None:
-                self._stream = self._driver.stream_create()
-            if after_stream is not None and not self._wait_for(handle, after_stream):
+            while len(self._streams) < self._num_streams:
+                self._streams.append(self._driver.stream_create())
+            parts = spread(local_dst, src, handle.lengths, self._num_streams, _MIN_PIECE_BYTES)
+            streams = self._streams[: len(parts)]
+            if after_stream is not None and not self._wait_for(handle, after_stream, streams):
                 return
-            for index, (to, frm, length) in enumerate(
-                zip(local_dst, src, handle.lengths, strict=True)
-            ):
-                code = self._driver.memcpy_async(to, frm, length, self._stream)
+            for stream, copies in zip(streams, parts, strict=False):
+                for index, to, frm, length in copies:
+                    code = self._driver.memcpy_async(to, frm, length, stream)
+                    if code != CUDA_SUCCESS:
+                        name = self._driver.error_name(code)
+                        handle.error = self._error(
+                            handle,
+                            f"cuMemcpyAsync failed with {name} (other regions were queued)",
+                            code,
+                            [index],
+                        )
+                        return
+                if self._free_events:
+                    event = self._free_events.pop()
+                else:
+                    event = self._driver.event_create()
+                code = self._driver.event_record(event, stream)
                 if code != CUDA_SUCCESS:
-                    name = self._driver.error_name(code)
-                    handle.error = self._error(
-                        handle,
-                        f"cuMemcpyAsync failed with {name} (regions before it were queued)",
-                        code,
-                        [index],
-                    )
+                    self._free_events.append(event)
+                    handle.error = self._error(handle, "cuEventRecord failed", code, [])
                     return
-            event = self._free_events.pop() if self._free_events else self._driver.event_create()
-            code = self._driver.event_record(event, self._stream)
-            if code != CUDA_SUCCESS:
-                self._free_events.append(event)
-                handle.error = self._error(handle, "cuEventRecord failed", code, [])
-                return
-            handle.event = event
+                handle.events.append(event)
 
-    def _wait_for(self, handle: _IpcWrite, stream: int) -> bool:
-        """Make the transport's stream wait for the work queued on `stream` so far (under the
-        copy lock). One event serves every wait: a wait binds to the record before it."""
+    def _wait_for(self, handle: _IpcWrite, stream: int, streams: Sequence[ctypes.c_void_p]) -> bool:
+        """Make `streams` wait for the work queued on `stream` so far (under the copy lock).
+        One event serves every wait: a wait binds to the record before it."""
         if self._ready_event is None:
             self._ready_event = self._driver.event_create()
         code = self._driver.event_record(self._ready_event, ctypes.c_void_p(stream))
-        if code == CUDA_SUCCESS:
-            code = self._driver.stream_wait_event(self._stream, self._ready_event)
+        for own in streams:
+            if code == CUDA_SUCCESS:
+                code = self._driver.stream_wait_event(own, self._ready_event)
         if code != CUDA_SUCCESS:
             handle.error = self._error(
                 handle, "cannot order the copies after the producing stream", code, []
@@ -496,11 +555,9 @@ class CudaIpcTransport:
             return False
         return True
 
-    def _recycle(self, handle: _IpcWrite) -> None:
-        event, handle.event = handle.event, None
-        if event is not None:
-            with self._copy_lock:
-                self._free_events.append(event)
+    def _recycle(self, handle: _IpcWrite, event: ctypes.c_void_p) -> None:
+        with self._copy_lock:
+            self._free_events.append(event)
 
     def _error(
         self, handle: _IpcWrite, what: str, code: int | None, indices: Sequence[int]
