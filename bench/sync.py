@@ -471,6 +471,7 @@ def _summarize(
         "p2p_fill_s": fill_s,
         "p2p_write_s": write_s,
         "p2p_num_writes": runs["p2p"][-1]["report"]["num_writes"],
+        "p2p_replayed": all(p["replayed"] for r in runs["p2p"] for p in r["pushes"]),
         "memcpy_gbps": links_gbps.get("memcpy"),
         "socket_gbps": links_gbps.get("socket"),
         "links_gbps": links_gbps,
@@ -530,6 +531,7 @@ def _print(result: dict[str, Any]) -> None:
     print(
         f"P2P sender, slowest rank (median): fill {result['p2p_fill_s']:.3f} s, writes not "
         f"hidden by fills {result['p2p_write_s']:.3f} s, {result['p2p_num_writes']} writes"
+        + (", replayed" if result["p2p_replayed"] else "")
     )
     fraction = result["fraction_of_ceiling"]
     name = _LINK_NAMES[result["ceiling"]]

@@ -62,13 +62,17 @@ def test_repeated_pushes_through_a_small_gpu_ring(gpu_receiver: Receiver, ipc) -
     # Writes are queued behind the copies on the GPU (the transport is stream-ordered), so
     # only the slot waits keep a slot from being refilled while it is still read: each push
     # wraps the two-slot ring many times and must land every byte of its own weights.
+    # The second and third pushes of the plan replay the first (new tensors, same geometry).
     sender = WeightSender(_config(bucket_bytes=1 << 15, chunk_bytes=4096), transport=ipc)
+    plan = None
     for seed in (21, 22, 23):
         gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
         export = ModelExport(random_model(TINY, seed=seed).to("cuda:0"))
-        plan = _plan_for(sender, export, gpu_receiver, "tiny")
-        stats = sender.push(plan.for_source(0), export)
+        if plan is None:
+            plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
+        stats = sender.push(plan, export)
         assert stats.num_buckets > 4
+        assert stats.replayed is (seed != 21)
         _assert_exact(gpu_receiver, "tiny", seed=seed)
     sender.close()
 

@@ -190,6 +190,7 @@ class SlotFiller:
         staging_typed: torch.Tensor,
         slot_index: int,
         slot_bytes: int,
+        ops_out: list[CopyOp] | None = None,
     ) -> int:
         """Write `contents` into slot `slot_index` and return the number of copies it took.
 
@@ -201,42 +202,54 @@ class SlotFiller:
             staging_typed: the same memory as a 1-D tensor of the plan dtype.
             slot_index: which slot.
             slot_bytes: bytes per slot.
+            ops_out: if given, receives the copies run (offsets into the whole ring).
         """
-        with torch.no_grad():
-            return self._fill(contents, staging_bytes, staging_typed, slot_index * slot_bytes)
-
-    def _fill(
-        self,
-        contents: Bucket | Chunk,
-        staging_bytes: torch.Tensor,
-        staging_typed: torch.Tensor,
-        slot_start: int,
-    ) -> int:
         element_size = staging_typed.element_size()
-        for offset, num_bytes in contents.zeros:
-            staging_bytes[slot_start + offset : slot_start + offset + num_bytes].zero_()
+        slot_start = slot_index * slot_bytes
         ops = fuse_copies(
             contents.sources, slot_base=slot_start // element_size, element_size=element_size
         )
-        on_host = staging_typed.is_cpu and all(op.base.is_cpu for op in ops)
-        parallel = self._num_workers > 1 and on_host and contents.num_bytes >= _MIN_PARALLEL_BYTES
-        if not parallel or not ops:
-            if on_host:
-                _run_all(ops, staging_typed, on_host=True)
-            else:
-                for op in ops:
-                    op.run(staging_typed)
-            return len(ops)
-        chunks = _balance(ops, self._num_workers)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._num_workers, thread_name_prefix="weightsync-fill")
-        futures = [
-            self._pool.submit(_run_all, chunk, staging_typed, on_host=True) for chunk in chunks[1:]
-        ]
-        _run_all(chunks[0], staging_typed, on_host=True)
-        for future in futures:
-            future.result()
+        if ops_out is not None:
+            ops_out.extend(ops)
+        zeros = [(slot_start + offset, num_bytes) for offset, num_bytes in contents.zeros]
+        self.run(ops, zeros, staging_bytes=staging_bytes, staging_typed=staging_typed)
         return len(ops)
+
+    def run(
+        self,
+        ops: Sequence[CopyOp],
+        zeros: Sequence[tuple[int, int]],
+        *,
+        staging_bytes: torch.Tensor,
+        staging_typed: torch.Tensor,
+    ) -> None:
+        """Run `ops` and zero the byte ranges `zeros` (offsets into the whole ring).
+
+        Host copies run on up to `num_workers` threads when there are enough bytes; CUDA
+        copies are only enqueued, on the current stream, as few launches as possible.
+        """
+        with torch.no_grad():
+            for offset, num_bytes in zeros:
+                staging_bytes[offset : offset + num_bytes].zero_()
+            if not ops:
+                return
+            on_host = staging_typed.is_cpu and all(op.base.is_cpu for op in ops)
+            if not on_host:
+                _run_on_device(ops, staging_typed)
+                return
+            num_bytes = sum(op.numel for op in ops) * staging_typed.element_size()
+            if self._num_workers == 1 or num_bytes < _MIN_PARALLEL_BYTES:
+                _run_all(ops, staging_typed)
+                return
+            chunks = _balance(ops, self._num_workers)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self._num_workers, thread_name_prefix="weightsync-fill"
+                )
+            futures = [self._pool.submit(_run_all, chunk, staging_typed) for chunk in chunks[1:]]
+            _run_all(chunks[0], staging_typed)
+            for future in futures:
+                future.result()
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -245,18 +258,38 @@ class SlotFiller:
             self._pool = None
 
 
-def _run_all(ops: Sequence[CopyOp], staging_typed: torch.Tensor, *, on_host: bool) -> None:
+def _run_all(ops: Sequence[CopyOp], staging_typed: torch.Tensor) -> None:
+    """Host copies (blocking), `CopyOp.run` inlined: a push runs one per source box."""
     with torch.no_grad():
-        if not on_host:
-            for op in ops:
-                op.run(staging_typed)
-            return
-        # `CopyOp.run` inlined for host copies (blocking, no device to compare): a push runs
-        # one per source box.
         view = staging_typed.as_strided
         for base, size, src_stride, src_offset, dst_stride, dst_offset, whole in ops:
             src = base if whole else base.as_strided(size, src_stride, src_offset)
             view(size, dst_stride, dst_offset).copy_(src)
+
+
+def _run_on_device(ops: Sequence[CopyOp], staging_typed: torch.Tensor) -> None:
+    """Enqueue copies into a GPU ring (or from GPU tensors into a host ring).
+
+    Copies between tensors of one dtype on the ring's device go out as multi-tensor
+    launches (``torch._foreach_copy_``): a MoE layer's thousands of per-expert tensors would
+    otherwise cost one kernel launch, ~10 us of host time, each. The rest (casts, other
+    devices, strided sources the fused kernel does not take) run one by one.
+    """
+    device, dtype = staging_typed.device, staging_typed.dtype
+    view = staging_typed.as_strided
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for op in ops:
+        base, size, src_stride, src_offset, dst_stride, dst_offset, whole = op
+        src = base if whole else base.as_strided(size, src_stride, src_offset)
+        dst = view(size, dst_stride, dst_offset)
+        if base.device == device and base.dtype == dtype and src.is_contiguous():
+            dsts.append(dst)
+            srcs.append(src)
+        else:
+            dst.copy_(src, non_blocking=src.device != device)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _balance(ops: Sequence[CopyOp], parts: int) -> list[list[CopyOp]]:

@@ -13,7 +13,8 @@ from weightsync.plan.items import SourcePlan, StageWork
 from weightsync.sender.buckets import Bucket, BucketPacker
 from weightsync.sender.chunks import Chunk, split_bucket
 from weightsync.sender.config import SenderConfig
-from weightsync.sender.fill import SlotFiller
+from weightsync.sender.fill import CopyOp, SlotFiller
+from weightsync.sender.replay import ScriptRecorder
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.stats import PushStats
 from weightsync.sender.writes import WriteQueue, coalesce
@@ -38,6 +39,7 @@ class PushRun:
         queue: WriteQueue,
         declared_shapes: Mapping[str, tuple[int, ...]],
         checked_shapes: dict[str, tuple[int, ...]] | None = None,
+        recorder: ScriptRecorder | None = None,
     ) -> None:
         """Prepare one packer per layout of the plan.
 
@@ -52,6 +54,7 @@ class PushRun:
             checked_shapes: ``{hf_name: shape}`` already found to hold every box this plan
                 reads of the tensor; filled as tensors pass, so that the caller can keep it
                 for the next push of the same plan and skip checking the boxes again.
+            recorder: records the push for replays (`weightsync.sender.replay`).
 
         Raises:
             ValueError: the plan's dtype is not one weightsync moves.
@@ -62,6 +65,7 @@ class PushRun:
         self._queue = queue
         self._declared = declared_shapes
         self._checked = {} if checked_shapes is None else checked_shapes
+        self._recorder = recorder
         self._dtype = getattr(torch, plan.dtype, None)
         if not isinstance(self._dtype, torch.dtype) or plan.dtype not in DTYPE_SIZES:
             raise ValueError(f"the plan's dtype {plan.dtype!r} is not one weightsync moves")
@@ -95,8 +99,15 @@ class PushRun:
         self._write_s = 0.0
         self._per_target: dict[str, int] = {}
 
-    def execute(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> PushStats:
+    def execute(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], *, done: frozenset[str] = frozenset()
+    ) -> PushStats:
         """Consume the stream, stage and write every bucket, wait for the last writes.
+
+        Args:
+            tensors: the ``(hf_name, tensor)`` stream.
+            done: names already written in full by an earlier part of this push (a replay
+                that stopped); they count as seen and must not come again.
 
         Raises:
             ValueError: as `WeightSender.push` says.
@@ -104,7 +115,8 @@ class PushRun:
         """
         start = time.perf_counter()
         work = self._plan.work
-        seen: set[str] = set()
+        seen: set[str] = set(done)
+        recorder = self._recorder
         for hf_name, tensor in tensors:
             works = work.get(hf_name)
             if works is None:
@@ -117,6 +129,8 @@ class PushRun:
                 self._source_device, self._seen_source = tensor.device, True
             if tensor.is_cuda:
                 self._cuda_sources = True
+            if recorder is not None:
+                recorder.arrive(hf_name, tensor)
             for stage in works:
                 for bucket in self._packers[stage.layout_id].add(tensor, stage.items):
                     self._stage_and_write(bucket)
@@ -209,16 +223,30 @@ class PushRun:
             element_size=self._element_size,
         )
         pending: tuple[Chunk, list[torch.cuda.Event]] | None = None
-        for chunk in chunks:
+        recorder = self._recorder
+        for number, chunk in enumerate(chunks):
             t1 = time.perf_counter()
+            ops: list[CopyOp] | None = [] if recorder is not None else None
             self._num_copies += self._filler.fill(
                 chunk,
                 staging_bytes=staging_bytes,
                 staging_typed=staging_typed,
                 slot_index=slot,
                 slot_bytes=ring.slot_bytes,
+                ops_out=ops,
             )
             after_stream = self._producing_stream(ring.device, chunk)
+            if recorder is not None and ops is not None:
+                recorder.chunk(
+                    chunk,
+                    slot=slot,
+                    new_bucket=number == 0,
+                    ops=ops,
+                    zeros=[(slot * ring.slot_bytes + o, n) for o, n in chunk.zeros],
+                    stream_ordered=after_stream is not None,
+                    event_devices=self._event_devices(ring.device, chunk, after_stream),
+                    num_bytes=chunk.num_bytes,
+                )
             if after_stream is not None:
                 # The transport's copies wait for the fill on the GPU: nothing blocks here,
                 # and the GPU fills the next chunk while it writes this one.
@@ -247,6 +275,20 @@ class PushRun:
         self._bytes_staged += bucket.num_bytes
         self._num_buckets += 1
         self._num_chunks += len(chunks)
+
+    def _event_devices(
+        self, staging_device: torch.device, chunk: Chunk, after_stream: int | None
+    ) -> list[torch.device]:
+        """The CUDA devices whose copies a chunk's writes wait for on the host (the devices
+        `_record_copies` records events on)."""
+        if after_stream is not None:
+            return []
+        if not (self._cuda_sources or staging_device.type == "cuda"):
+            return []
+        devices = {s.tensor.device for s in chunk.sources if s.tensor.device.type == "cuda"}
+        if staging_device.type == "cuda":
+            devices.add(staging_device)
+        return sorted(devices, key=str)
 
     def _producing_stream(self, staging_device: torch.device, chunk: Chunk) -> int | None:
         """The raw CUDA stream that fills `chunk` when the transport can order its writes
@@ -279,6 +321,8 @@ class PushRun:
         for target in self._plan.targets[layout_id]:
             writes = coalesce(chunk.regions, slot_addr=slot_addr, weights_info=target.weights_info)
             self._queue.submit(target, writes, slot=slot, after_stream=after_stream)
+            if self._recorder is not None:
+                self._recorder.writes(chunk, target, writes, len(chunk.regions))
             self._num_writes += len(writes)
             self._num_regions += len(chunk.regions)
             self._per_target[target.session_id] = (

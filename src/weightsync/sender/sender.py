@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +14,7 @@ from weightsync.plan.types import SourceHolding, TensorMeta
 from weightsync.sender.config import SenderConfig
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.push import PushRun
+from weightsync.sender.replay import PushScript, ReplayMismatch, ScriptRecorder, ScriptReplay
 from weightsync.sender.staging import StagingRing, transport_reads
 from weightsync.sender.stats import PushStats
 from weightsync.sender.writes import WriteQueue
@@ -75,6 +78,7 @@ class WeightSender:
         # Per-plan facts kept between pushes of the same plan (compared by identity).
         self._cached_plan: SourcePlan | None = None
         self._checked_shapes: dict[str, tuple[int, ...]] = {}
+        self._script: PushScript | None = None
         self._closed = False
 
     @property
@@ -115,7 +119,9 @@ class WeightSender:
                 "holding() takes a ModelExport or a mapping {hf_name: TensorMeta | Tensor}, "
                 f"got {type(export).__name__}"
             )
-        self._declared = {name: meta.shape for name, meta in metas.items()}
+        declared = {name: meta.shape for name, meta in metas.items()}
+        if declared != self._declared:
+            self._declared, self._script = declared, None
         return SourceHolding(rank=self.rank, tensors=metas)
 
     def gather_holdings(self, export: Any) -> list[SourceHolding]:
@@ -151,8 +157,66 @@ class WeightSender:
         if self._closed:
             raise ValueError("push() on a closed WeightSender")
         if plan is not self._cached_plan:
-            self._cached_plan, self._checked_shapes = plan, {}
-        run = PushRun(
+            self._cached_plan, self._checked_shapes, self._script = plan, {}, None
+        try:
+            return self._push(plan, tensors)
+        except BaseException:
+            self._script = None
+            self._queue.drain()
+            raise
+
+    def _push(self, plan: SourcePlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> PushStats:
+        """Replay the recorded push of `plan` if there is one, else push (and record)."""
+        start = time.perf_counter()
+        script = self._script
+        ring = self._ring
+        # A ring freed and allocated again elsewhere voids the recorded write addresses.
+        if (
+            script is not None
+            and ring is not None
+            and ring.allocated
+            and ring.base_addr == script.ring_addr
+        ):
+            return self._replay(script, ring, tensors, start)
+        recorder = ScriptRecorder(plan)
+        stats = self._run(plan, recorder).execute(tensors)
+        ring = self._ring
+        if ring is not None and ring.allocated:
+            self._script = recorder.finish(ring_addr=ring.base_addr)
+        return stats
+
+    def _replay(
+        self,
+        script: PushScript,
+        ring: StagingRing,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        start: float,
+    ) -> PushStats:
+        dtype = getattr(torch, script.plan.dtype)
+        replay = ScriptReplay(
+            script, ring=ring, filler=self._filler, queue=self._queue, dtype=dtype
+        )
+        try:
+            replay.execute(tensors)
+        except ReplayMismatch as stop:
+            # The stream changed: finish the normal way from where the replay stopped, and
+            # record again at the next push.
+            self._script = None
+            rest = itertools.chain(
+                stop.pending, [stop.current] if stop.current is not None else [], stop.rest
+            )
+            tail = self._run(script.plan, None).execute(rest, done=stop.done)
+            return _merged(stop.counters, tail, replay, start)
+        return PushStats(
+            **script.counters,
+            seconds=time.perf_counter() - start,
+            fill_seconds=replay.fill_seconds,
+            write_seconds=replay.write_seconds,
+            replayed=True,
+        )
+
+    def _run(self, plan: SourcePlan, recorder: ScriptRecorder | None) -> PushRun:
+        return PushRun(
             plan,
             config=self.config,
             ring_for=self._ring_for,
@@ -160,16 +224,13 @@ class WeightSender:
             queue=self._queue,
             declared_shapes=self._declared,
             checked_shapes=self._checked_shapes,
+            recorder=recorder,
         )
-        try:
-            return run.execute(tensors)
-        except BaseException:
-            self._queue.drain()
-            raise
 
     def release(self) -> None:
         """Unregister and free the staging memory (e.g. before a trainer checkpoint save)."""
         self._queue.drain()
+        self._script = None
         if self._ring is not None:
             self._ring.free()
 
@@ -214,3 +275,25 @@ class WeightSender:
                 f"{'does not' if on_gpu else 'was not asked'}; use staging='auto' or 'host'"
             )
         return device if readable else torch.device("cpu")
+
+
+def _merged(
+    counters: dict[str, Any], tail: PushStats, replay: ScriptReplay, start: float
+) -> PushStats:
+    """The stats of a push that a replay began and a normal push finished."""
+    per_target = dict(counters["bytes_per_target"])
+    for session, num_bytes in tail.bytes_per_target.items():
+        per_target[session] = per_target.get(session, 0) + num_bytes
+    return PushStats(
+        bytes_staged=counters["bytes_staged"] + tail.bytes_staged,
+        bytes_written=counters["bytes_written"] + tail.bytes_written,
+        num_writes=counters["num_writes"] + tail.num_writes,
+        num_regions=counters["num_regions"] + tail.num_regions,
+        num_buckets=counters["num_buckets"] + tail.num_buckets,
+        num_chunks=counters["num_chunks"] + tail.num_chunks,
+        num_copies=counters["num_copies"] + tail.num_copies,
+        seconds=time.perf_counter() - start,
+        fill_seconds=replay.fill_seconds + tail.fill_seconds,
+        write_seconds=replay.write_seconds + tail.write_seconds,
+        bytes_per_target=per_target,
+    )

@@ -112,6 +112,11 @@ class StagingRing:
             view = self._typed[dtype] = self.as_bytes().view(dtype)
         return view
 
+    @property
+    def base_addr(self) -> int:
+        """Address of the ring's first byte (while allocated)."""
+        return self.as_bytes().data_ptr()
+
     def slot_addr(self, slot: int) -> int:
         """Address of slot `slot`'s first byte."""
         return self.as_bytes().data_ptr() + slot * self.slot_bytes

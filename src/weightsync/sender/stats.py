@@ -25,6 +25,9 @@ class PushStats:
         write_seconds: wall time spent submitting writes and waiting for them (what the
             fills did not hide).
         bytes_per_target: bytes written to each target, by session id.
+        replayed: the push replayed the recorded first push of its plan (same tensor names,
+            order and geometry), skipping the packing; False for a recording push and for one
+            whose stream changed part-way.
     """
 
     bytes_staged: int
@@ -38,6 +41,7 @@ class PushStats:
     fill_seconds: float
     write_seconds: float
     bytes_per_target: Mapping[str, int] = field(default_factory=dict)
+    replayed: bool = False
 
     @property
     def write_gbps(self) -> float:
