@@ -44,7 +44,13 @@ class WeightSender:
     the writes even when a push has a single bucket; filling the next slot overlaps the
     writes of the previous one too. Staging memory is ``num_slots * bucket_bytes``, on the
     host (pinned when CUDA is available) or, for CUDA tensors and a transport that reads GPU
-    memory, on the GPU.
+    memory, on the GPU. With a stream-ordered transport (CUDA IPC) a chunk's writes wait for
+    its copies on the GPU, so the host never blocks on them.
+
+    The first push of a plan is recorded; a later push of the same plan whose stream yields
+    the same names in the same order with the same geometry replays the recording instead of
+    packing again (`weightsync.sender.replay`; ``PushStats.replayed``). A stream that differs
+    falls back to a normal push from that tensor on, and the next push records again.
     The sender does not own the transport: closing it is the caller's job.
     """
 
