@@ -83,11 +83,16 @@ def test_host_staging_from_cuda_tensors(gpu_receiver: Receiver, ipc) -> None:
         _config(staging="host", bucket_bytes=1 << 16, chunk_bytes=4096), transport=ipc
     )
     export = ModelExport(random_model(TINY, seed=12).to("cuda:0"))
-    plan = _plan_for(sender, export, gpu_receiver, "tiny")
-    stats = sender.push(plan.for_source(0), export)
+    plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
+    stats = sender.push(plan, export)
     assert stats.num_chunks > stats.num_buckets
     _assert_exact(gpu_receiver, "tiny", seed=12)
     assert sender.staging_device == torch.device("cpu")
+    # The replay waits on the host for the device-to-host copies, as the first push did.
+    gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
+    stats = sender.push(plan, ModelExport(random_model(TINY, seed=14).to("cuda:0")))
+    assert stats.replayed
+    _assert_exact(gpu_receiver, "tiny", seed=14)
     sender.close()
 
 
@@ -99,9 +104,12 @@ def test_cuda_tensors_over_mooncake() -> None:
         receiver.call(cmd="fill", group="tiny", value=7.0)
         sender = WeightSender(_config(), transport=transport)
         export = ModelExport(random_model(TINY, seed=13).to("cuda:0"))
-        plan = _plan_for(sender, export, receiver, "tiny")
-        sender.push(plan.for_source(0), export)
+        plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
+        sender.push(plan, export)
         _assert_exact(receiver, "tiny", seed=13)
+        receiver.call(cmd="fill", group="tiny", value=7.0)
+        assert sender.push(plan, ModelExport(random_model(TINY, seed=15).to("cuda:0"))).replayed
+        _assert_exact(receiver, "tiny", seed=15)
         expected = "cuda" if transport.supports_device(torch.device("cuda", 0)) else "cpu"
         assert sender.staging_device.type == expected
         sender.close()
