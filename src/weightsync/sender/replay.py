@@ -20,7 +20,7 @@ point (the tensors still held, then the rest of the stream).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,8 +256,11 @@ class ScriptReplay:
         self.fill_seconds = 0.0
         self.write_seconds = 0.0
 
-    def execute(self, tensors: Any) -> None:
+    def execute(self, tensors: Iterable[tuple[str, Any]]) -> None:
         """Consume the stream and do every recorded step.
+
+        Args:
+            tensors: the ``(hf_name, tensor)`` stream of this push.
 
         Raises:
             ReplayMismatch: the stream differs from the recording (see the module docstring).
@@ -316,8 +319,9 @@ class ScriptReplay:
             self._queue.wait_slot(step.slot)
             self.write_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
+        # Every tensor a step reads is still held: it is released after its last step.
         ops = [
-            CopyOp(held[i][1], size, src_stride, src_offset, dst_stride, dst_offset, whole)  # type: ignore[index]
+            CopyOp(_tensor(held, i), size, src_stride, src_offset, dst_stride, dst_offset, whole)
             for i, size, src_stride, src_offset, dst_stride, dst_offset, whole in step.ops
         ]
         self._filler.run(
@@ -378,6 +382,13 @@ class ScriptReplay:
             done=done,
             counters=counters,
         )
+
+
+def _tensor(held: list[tuple[str, torch.Tensor] | None], index: int) -> torch.Tensor:
+    entry = held[index]
+    if entry is None:  # an internal invariant: releases come after a tensor's last step
+        raise RuntimeError(f"stream tensor {index} was released before a step that reads it")
+    return entry[1]
 
 
 def step_counters(steps: Sequence[Step]) -> dict[str, Any]:
