@@ -59,3 +59,6 @@ def test_128_expert_sync_is_bit_exact_with_few_writes(tmp_path):
     for report in (first, second):
         assert report.num_writes <= 2 * num_params, (report.num_writes, num_params)
         assert report.push.num_regions >= report.num_writes
+    # The second sync replays the first one's push (the generation above ran on its weights).
+    assert not first.push.replayed
+    assert second.push.replayed and second.to_dict()["replayed"]

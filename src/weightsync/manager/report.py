@@ -18,6 +18,8 @@ class PushSummary:
         num_regions: destination regions before coalescing.
         bytes_per_replica: bytes written into each replica (by replica URL).
         seconds_per_source: wall time of each source rank's push (by source rank).
+        replayed: every source replayed its recorded push of the plan (see
+            ``PushStats.replayed``).
     """
 
     bytes_written: int
@@ -26,6 +28,7 @@ class PushSummary:
     num_regions: int
     bytes_per_replica: Mapping[str, int] = field(default_factory=dict)
     seconds_per_source: Mapping[int, float] = field(default_factory=dict)
+    replayed: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +107,7 @@ class SyncReport:
             "num_writes": self.num_writes,
             "num_regions": self.push.num_regions,
             "metadata_refreshed": self.metadata_refreshed,
+            "replayed": self.push.replayed,
             "bit_exact": self.bit_exact,
             "phases": {
                 "pause": self.phases.pause,

@@ -233,4 +233,5 @@ def _summarize(outcomes: Sequence[_Outcome], targets: Sequence[TargetRank]) -> P
         num_regions=sum(o.stats.num_regions for o in outcomes),
         bytes_per_replica=per_replica,
         seconds_per_source={o.rank: o.stats.seconds for o in outcomes},
+        replayed=all(o.stats.replayed for o in outcomes),
     )
