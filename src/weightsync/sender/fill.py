@@ -292,6 +292,17 @@ def _run_on_device(ops: Sequence[CopyOp], staging_typed: torch.Tensor) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def record_events(devices: Sequence[torch.device]) -> list[torch.cuda.Event]:
+    """An event after the copies queued so far on each device's current CUDA stream: a
+    transport that cannot wait for them on the GPU may read the slot once they completed."""
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
 def _balance(ops: Sequence[CopyOp], parts: int) -> list[list[CopyOp]]:
     """Split `ops` into `parts` lists of about equal elements, cutting large copies."""
     total = sum(op.numel for op in ops)

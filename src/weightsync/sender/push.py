@@ -13,7 +13,7 @@ from weightsync.plan.items import SourcePlan, StageWork
 from weightsync.sender.buckets import Bucket, BucketPacker
 from weightsync.sender.chunks import Chunk, split_bucket
 from weightsync.sender.config import SenderConfig
-from weightsync.sender.fill import CopyOp, SlotFiller
+from weightsync.sender.fill import CopyOp, SlotFiller, record_events
 from weightsync.sender.replay import ScriptRecorder
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.stats import PushStats
@@ -236,6 +236,7 @@ class PushRun:
                 ops_out=ops,
             )
             after_stream = self._producing_stream(ring.device, chunk)
+            devices = [] if after_stream is not None else self._event_devices(ring.device, chunk)
             if recorder is not None and ops is not None:
                 recorder.chunk(
                     chunk,
@@ -244,7 +245,7 @@ class PushRun:
                     ops=ops,
                     zeros=[(slot * ring.slot_bytes + o, n) for o, n in chunk.zeros],
                     stream_ordered=after_stream is not None,
-                    event_devices=self._event_devices(ring.device, chunk, after_stream),
+                    event_devices=devices,
                     num_bytes=chunk.num_bytes,
                 )
             if after_stream is not None:
@@ -260,8 +261,7 @@ class PushRun:
                     after_stream=after_stream,
                 )
                 continue
-            on_gpu = self._cuda_sources or ring.device.type == "cuda"
-            events = _record_copies(ring.device, chunk) if on_gpu else []
+            events = record_events(devices)
             self._fill_s += time.perf_counter() - t1
             if pending is not None:
                 self._write_chunk(bucket.layout_id, *pending, slot=slot, slot_addr=slot_addr)
@@ -276,13 +276,9 @@ class PushRun:
         self._num_buckets += 1
         self._num_chunks += len(chunks)
 
-    def _event_devices(
-        self, staging_device: torch.device, chunk: Chunk, after_stream: int | None
-    ) -> list[torch.device]:
-        """The CUDA devices whose copies a chunk's writes wait for on the host (the devices
-        `_record_copies` records events on)."""
-        if after_stream is not None:
-            return []
+    def _event_devices(self, staging_device: torch.device, chunk: Chunk) -> list[torch.device]:
+        """The CUDA devices whose current streams run a chunk's copies (none on the host),
+        for writes that wait for them on the host."""
         if not (self._cuda_sources or staging_device.type == "cuda"):
             return []
         devices = {s.tensor.device for s in chunk.sources if s.tensor.device.type == "cuda"}
@@ -342,19 +338,3 @@ def _address_on(weights_info: Mapping[str, tuple[int, int, int]]):
 
 def _no_address(param_name: str, offset: int) -> int:
     return offset
-
-
-def _record_copies(staging_device: torch.device, chunk: Chunk) -> list[torch.cuda.Event]:
-    """Events after the chunk's copies on every CUDA stream that runs them (none on the host).
-
-    The transport may read the chunk only once they completed.
-    """
-    devices = {s.tensor.device for s in chunk.sources if s.tensor.device.type == "cuda"}
-    if staging_device.type == "cuda":
-        devices.add(staging_device)
-    events = []
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
-    return events

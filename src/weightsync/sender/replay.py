@@ -28,7 +28,7 @@ import torch
 
 from weightsync.plan.items import SourcePlan
 from weightsync.plan.types import TargetRank
-from weightsync.sender.fill import CopyOp, SlotFiller
+from weightsync.sender.fill import CopyOp, SlotFiller, record_events
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.writes import Write, WriteQueue
 
@@ -154,11 +154,6 @@ class ScriptRecorder:
         self._steps: list[Step] = []
         self._by_chunk: dict[int, Step] = {}
         self.broken = False
-
-    @property
-    def num_arrived(self) -> int:
-        """Stream tensors recorded so far."""
-        return len(self._names)
 
     def arrive(self, name: str, tensor: torch.Tensor) -> None:
         """Record the next tensor the plan needs (after `PushRun` checked it)."""
@@ -333,11 +328,7 @@ class ScriptReplay:
         del ops
         for index in step.release:
             held[index] = None
-        events = []
-        for device in step.event_devices:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
+        events = record_events(step.event_devices)
         self.fill_seconds += time.perf_counter() - t0
         if step.stream_ordered:
             self._write(step, [])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -286,20 +287,15 @@ class WeightSender:
 def _merged(
     counters: dict[str, Any], tail: PushStats, replay: ScriptReplay, start: float
 ) -> PushStats:
-    """The stats of a push that a replay began and a normal push finished."""
-    per_target = dict(counters["bytes_per_target"])
-    for session, num_bytes in tail.bytes_per_target.items():
-        per_target[session] = per_target.get(session, 0) + num_bytes
+    """The stats of a push that a replay began and a normal push finished: the counters of
+    both parts added up."""
+    per_target = Counter(counters["bytes_per_target"])
+    per_target.update(tail.bytes_per_target)
+    summed = {k: v + getattr(tail, k) for k, v in counters.items() if k != "bytes_per_target"}
     return PushStats(
-        bytes_staged=counters["bytes_staged"] + tail.bytes_staged,
-        bytes_written=counters["bytes_written"] + tail.bytes_written,
-        num_writes=counters["num_writes"] + tail.num_writes,
-        num_regions=counters["num_regions"] + tail.num_regions,
-        num_buckets=counters["num_buckets"] + tail.num_buckets,
-        num_chunks=counters["num_chunks"] + tail.num_chunks,
-        num_copies=counters["num_copies"] + tail.num_copies,
+        **summed,
         seconds=time.perf_counter() - start,
         fill_seconds=replay.fill_seconds + tail.fill_seconds,
         write_seconds=replay.write_seconds + tail.write_seconds,
-        bytes_per_target=per_target,
+        bytes_per_target=dict(per_target),
     )

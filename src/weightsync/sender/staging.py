@@ -119,4 +119,4 @@ class StagingRing:
 
     def slot_addr(self, slot: int) -> int:
         """Address of slot `slot`'s first byte."""
-        return self.as_bytes().data_ptr() + slot * self.slot_bytes
+        return self.base_addr + slot * self.slot_bytes
