@@ -64,6 +64,11 @@ _FETCH_TIMEOUT_S = 10.0
 _MIN_PIECE_BYTES = 8 << 20
 
 
+def _check_num_streams(value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"num_streams must be a positive int, got {value!r}")
+
+
 def spread(
     dst: Sequence[int], src: Sequence[int], lengths: Sequence[int], parts: int, min_piece: int
 ) -> list[list[tuple[int, int, int, int]]]:
@@ -172,8 +177,7 @@ class CudaIpcTransport:
             ValueError: no such device, or `num_streams` < 1.
             WeightSyncError: no CUDA driver.
         """
-        if not isinstance(num_streams, int) or isinstance(num_streams, bool) or num_streams < 1:
-            raise ValueError(f"num_streams must be a positive int, got {num_streams!r}")
+        _check_num_streams(num_streams)
         self._driver = driver()
         if not 0 <= device < self._driver.device_count():
             raise ValueError(f"no CUDA device {device} in this process")
@@ -209,8 +213,7 @@ class CudaIpcTransport:
 
     @num_streams.setter
     def num_streams(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"num_streams must be a positive int, got {value!r}")
+        _check_num_streams(value)
         with self._copy_lock:
             self._num_streams = value
 
@@ -349,7 +352,7 @@ class CudaIpcTransport:
             while handle.error is None and handle.events:
                 code = self._driver.event_query(handle.events[-1])
                 if code == CUDA_SUCCESS:
-                    self._recycle(handle, handle.events.pop())
+                    self._recycle(handle.events.pop())
                     continue
                 if code != CUDA_ERROR_NOT_READY:
                     handle.error = self._error(
@@ -555,7 +558,7 @@ class CudaIpcTransport:
             return False
         return True
 
-    def _recycle(self, handle: _IpcWrite, event: ctypes.c_void_p) -> None:
+    def _recycle(self, event: ctypes.c_void_p) -> None:
         with self._copy_lock:
             self._free_events.append(event)
 
