@@ -78,6 +78,28 @@ def write_config(config: dict[str, Any], folder: Path) -> Path:
     return folder
 
 
+def log(message: str) -> None:
+    """Progress on stderr (stdout holds the table and the JSON line)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) -> None:
+    """Run a ``weights_checker`` action on every replica at once (raises if one fails:
+    ``compare`` fails unless every parameter equals the snapshot bit for bit)."""
+    import asyncio
+
+    from weightsync.control import RolloutClient
+
+    async def run() -> None:
+        clients = [RolloutClient(url, api_key=api_key, timeout_s=600.0) for url in urls]
+        try:
+            await asyncio.gather(*(c.weights_checker(action) for c in clients))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    asyncio.run(run())
+
+
 def median(values: Sequence[float]) -> float:
     """The median, or NaN for no values."""
     return statistics.median(values) if values else math.nan

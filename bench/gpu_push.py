@@ -34,7 +34,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GIB, MIB, PRESETS, GpuCeiling, median, print_table, workload_config, write_config
+from common import (
+    GIB,
+    MIB,
+    PRESETS,
+    GpuCeiling,
+    check_weights,
+    log,
+    median,
+    print_table,
+    workload_config,
+    write_config,
+)
 
 # (slot MiB, chunk MiB or None for the default, slots, transport streams): the default first.
 _SWEEP = (
@@ -88,16 +99,6 @@ async def _control_calls(url: str, rounds: int) -> dict[str, float]:
     finally:
         await client.aclose()
     return {name: median(values) for name, values in seconds.items()}
-
-
-async def _checker(url: str, action: str) -> None:
-    from weightsync.control import RolloutClient
-
-    client = RolloutClient(url, timeout_s=600.0)
-    try:
-        await client.weights_checker(action)
-    finally:
-        await client.aclose()
 
 
 def _raw_write(transport: Any, target: Any, device: str, repeats: int) -> float:
@@ -216,8 +217,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             synthetic_hf_tensors(config, seed=args.seed, dtype=torch.bfloat16, device=device)
         )
         export = ModelExport(tensors, hf_config=config)
-        asyncio.run(_checker(replica.url, "snapshot"))
-        asyncio.run(_checker(replica.url, "reset_tensors"))
+        check_weights([replica.url], "snapshot")
+        check_weights([replica.url], "reset_tensors")
         control = asyncio.run(_control_calls(replica.url, args.calls))
         log("control calls (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in control.items()))
 
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         sweep = _push_sweep(transport, plan, export, args.repeats)
         reports = [sync.sync(export) for _ in range(args.repeats + 1)][1:]
         sync.close()
-        asyncio.run(_checker(replica.url, "compare"))  # raises unless bit-exact
+        check_weights([replica.url], "compare")  # raises unless bit-exact
         phases = {
             name: median([getattr(r.phases, name) for r in reports])
             for name in ("pause", "metadata", "push", "finalize", "resume")
@@ -309,11 +310,6 @@ def _print(result: dict[str, Any]) -> None:
         ["what", "ms", "GB/s"],
         rows,
     )
-
-
-def log(message: str) -> None:
-    """Progress on stderr."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def main() -> None:

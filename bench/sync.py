@@ -36,7 +36,6 @@ broadcast on GPU).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import multiprocessing
@@ -61,6 +60,8 @@ from common import (
     PRESETS,
     GpuCeiling,
     HostCeiling,
+    check_weights,
+    log,
     median,
     model_bytes,
     print_table,
@@ -130,16 +131,6 @@ def _stage_export(args: TrainerArgs, rank: int, device: str) -> Any:
         )
     )
     return ModelExport(tensors, pp_rank=pp_rank, pp_size=args.pp_size, hf_config=args.config)
-
-
-async def _check(urls: tuple[str, ...], api_key: str, action: str) -> None:
-    from weightsync.control import RolloutClient
-
-    clients = [RolloutClient(url, api_key=api_key, timeout_s=600.0) for url in urls]
-    try:
-        await asyncio.gather(*(c.weights_checker(action) for c in clients))
-    finally:
-        await asyncio.gather(*(c.aclose() for c in clients))
 
 
 def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> None:
@@ -219,8 +210,8 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
             method = command["method"]
             pushes.clear()
             if rank == 0:
-                asyncio.run(_check(args.urls, args.api_key, "snapshot"))
-                asyncio.run(_check(args.urls, args.api_key, "reset_tensors"))
+                check_weights(args.urls, "snapshot", args.api_key)
+                check_weights(args.urls, "reset_tensors", args.api_key)
             start = time.perf_counter()
             report = syncs[method].sync(export)
             wall_s = time.perf_counter() - start
@@ -232,7 +223,7 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
             }
             if rank == 0:
                 # Raises (and so fails the bench) unless every parameter equals the snapshot.
-                asyncio.run(_check(args.urls, args.api_key, "compare"))
+                check_weights(args.urls, "compare", args.api_key)
                 event.update(report=report.to_dict(), wall_s=wall_s, bit_exact=True)
             results.put(event)
     except BaseException as exc:
@@ -575,11 +566,6 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def log(message: str) -> None:
-    """Progress on stderr (stdout holds the table and the JSON line)."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
