@@ -15,6 +15,7 @@ from weightsync.checkpoint import load_config_dict
 from weightsync.errors import LayoutMismatchError
 from weightsync.layout import dtype_name, normalize_hf_config, torch_dtype
 from weightsync.plan import SyncPlan, build_plan, simulate_sources, simulate_targets
+from weightsync.plan.validate import int_ranges
 
 # Exit code for bad command-line input, as click uses for usage errors.
 _USAGE_ERROR = 2
@@ -188,17 +189,7 @@ def _compact_targets(targets: list[dict[str, Any]]) -> str:
     ranks: dict[str, list[int]] = {}
     for target in targets:
         ranks.setdefault(target["replica"], []).append(target["rank"])
-    parts = []
-    for replica, values in ranks.items():
-        values = sorted(set(values))
-        runs: list[list[int]] = []
-        for value in values:
-            if runs and value == runs[-1][1] + 1:
-                runs[-1][1] = value
-            else:
-                runs.append([value, value])
-        text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-        parts.append(f"{replica}:{text}")
+    parts = [f"{replica}:{int_ranges(values, sep=',')}" for replica, values in ranks.items()]
     return ", ".join(parts) or "-"
 
 

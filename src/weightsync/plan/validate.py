@@ -152,7 +152,7 @@ def describe_holdings(
                 others.add(name)
     parts = []
     if layers:
-        parts.append(f"layers {_ranges(sorted(layers))}")
+        parts.append(f"layers {int_ranges(layers)}")
     if others:
         parts.append(", ".join(sorted(others)))
     if unknown:
@@ -161,14 +161,15 @@ def describe_holdings(
     return "; ".join(parts) if parts else "nothing"
 
 
-def _ranges(values: Sequence[int]) -> str:
+def int_ranges(values: Iterable[int], sep: str = ", ") -> str:
+    """Integers as sorted runs: ``[0, 1, 2, 5, 7, 8]`` reads ``0-2, 5, 7-8``."""
     runs: list[list[int]] = []
-    for value in values:
+    for value in sorted(set(values)):
         if runs and value == runs[-1][1] + 1:
             runs[-1][1] = value
         else:
             runs.append([value, value])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def check_coverage(
