@@ -78,7 +78,12 @@ class ModelDims:
         )
 
 
-def _config_data(hf_config: Any) -> dict[str, Any]:
+def config_data(hf_config: Any) -> dict[str, Any]:
+    """A config.json-style dict of a transformers config object or a mapping.
+
+    Raises:
+        ValueError: ``hf_config`` is neither a mapping nor has ``to_dict()``.
+    """
     if isinstance(hf_config, Mapping):
         return dict(hf_config)
     to_dict = getattr(hf_config, "to_dict", None)
@@ -108,7 +113,7 @@ def model_dims(hf_config: Any) -> ModelDims:
         ValueError: no or unsupported ``model_type``, a bad size, or a feature the layout rules
             do not cover (``attention_bias`` / ``mlp_bias``).
     """
-    data = _config_data(hf_config)
+    data = config_data(hf_config)
     family = family_for(data.get("model_type"))
     defaults = family.config_defaults
 

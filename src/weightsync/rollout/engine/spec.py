@@ -7,25 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.layout import normalize_hf_config
+from weightsync.layout.config import config_data
 from weightsync.rollout.engine.rotary import RopeConfig
 
 ENGINE_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-
-
-def _config_dict(hf_config: Any) -> dict[str, Any]:
-    """A config.json-style dict of a transformers config object or a mapping.
-
-    Raises:
-        ValueError: ``hf_config`` is neither a mapping nor has ``to_dict()``.
-    """
-    if isinstance(hf_config, Mapping):
-        return dict(hf_config)
-    to_dict = getattr(hf_config, "to_dict", None)
-    if to_dict is None:
-        raise ValueError(
-            f"hf_config must be a transformers config or a config.json dict, got {hf_config!r}"
-        )
-    return dict(to_dict())
 
 
 def _sliding_windows(data: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
@@ -95,7 +80,7 @@ class ModelSpec:
                 bias, an activation other than SiLU, a RoPE type other than default, linear or
                 llama3), or a bad size.
         """
-        data = _config_dict(hf_config)
+        data = config_data(hf_config)
         model_type = data.get("model_type")
         if model_type not in ENGINE_MODEL_TYPES:
             raise ValueError(
