@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: workloads, link ceilings, statistics and tables.
 
-Workloads are config.json dicts of synthetic models (`weightsync.synthetic` weights, so no
+Workloads are config.json dicts of synthetic models (`weightsync.engine.synthetic` weights, so no
 checkpoint is written). Ceilings are what the machine's links move with nothing of
 weightsync in the way, each over the same number of bytes: on the host, a raw Mooncake TCP
 write between two processes with big regions, an in-process memcpy and a loopback TCP socket
@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from weightsync.checkpoint import preset_config
 from weightsync.layout import DTYPE_SIZES, hf_tensor_shapes
+from weightsync.testing.presets import preset_config
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30

@@ -183,12 +183,17 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Start the replica and the trainer side, measure, stop; the results."""
     import torch
 
+    from weightsync.engine.synthetic import synthetic_hf_tensors
     from weightsync.manager import SyncConfig, SyncManager, TrainerSync
     from weightsync.plan import build_plan
-    from weightsync.rollout.launch import start_replicas
     from weightsync.sender import ModelExport, SenderConfig, WeightSender
-    from weightsync.synthetic import synthetic_hf_tensors
-    from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+    from weightsync.testing.launcher import start_replicas
+    from weightsync.transport import (
+        CudaIpcConfig,
+        CudaIpcTransport,
+        MooncakeConfig,
+        MooncakeTransport,
+    )
 
     cuda = args.device == "cuda"
     config = workload_config(args.preset)
@@ -223,7 +228,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         log("control calls (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in control.items()))
 
         if cuda:
-            transport = CudaIpcTransport(args.trainer_gpu)
+            transport = CudaIpcTransport(CudaIpcConfig(device=args.trainer_gpu))
         else:
             transport = MooncakeTransport(MooncakeConfig(protocol="tcp"))
         manager = SyncManager([replica.url], SyncConfig(check_weight_update_equal=False))

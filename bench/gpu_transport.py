@@ -72,12 +72,12 @@ def _receiver(args: argparse.Namespace) -> None:
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from weightsync.transport import CudaIpcTransport
+    from weightsync.transport import CudaIpcConfig, CudaIpcTransport
 
     device = torch.device(args.device)
     torch.cuda.set_device(device)
     buffer = torch.zeros(args.num_bytes, dtype=torch.uint8, device=device)
-    transport = CudaIpcTransport(device.index)
+    transport = CudaIpcTransport(CudaIpcConfig(device=device.index))
     transport.register(buffer.data_ptr(), args.num_bytes)
     share = base64.b64encode(pickle.dumps(reduce_tensor(buffer))).decode()
     ready = {"session_id": transport.session_id, "addr": buffer.data_ptr(), "share": share}
@@ -102,8 +102,8 @@ def _receiver(args: argparse.Namespace) -> None:
 
 def _open(info: dict[str, Any], flags: int, in_device: int | None) -> tuple[int, dict[str, Any]]:
     """Open the receiver's allocation with the driver; returns the mapped destination."""
-    from weightsync.transport.cuda_driver import driver
-    from weightsync.transport.ipc_registry import fetch_snapshot
+    from weightsync.transport.cuda_ipc.driver import driver
+    from weightsync.transport.cuda_ipc.registry import fetch_snapshot
 
     cuda = driver()
     snapshot = fetch_snapshot(info["session_id"], 10.0)
@@ -120,7 +120,7 @@ def _open(info: dict[str, Any], flags: int, in_device: int | None) -> tuple[int,
 
 
 def _driver_copy(dst: int, src: int, num_bytes: int) -> Callable[[], None]:
-    from weightsync.transport.cuda_driver import driver
+    from weightsync.transport.cuda_ipc.driver import driver
 
     cuda = driver()
     cuda.use_device(0)
@@ -141,8 +141,8 @@ def _variant(
 ) -> tuple[Callable[[], None], dict[str, Any]]:
     import torch
 
-    from weightsync.transport import CudaIpcTransport
-    from weightsync.transport.cuda_driver import IPC_MEM_LAZY_ENABLE_PEER_ACCESS as LAZY
+    from weightsync.transport import CudaIpcConfig, CudaIpcTransport
+    from weightsync.transport.cuda_ipc.driver import IPC_MEM_LAZY_ENABLE_PEER_ACCESS as LAZY
 
     num_bytes = src.numel()
     if name in ("torch_copy", "torch_copy_dst_device"):
@@ -160,7 +160,7 @@ def _variant(
 
         return run, {"dst_device": str(dst.device)}
     if name == "ipc_transport":
-        transport = CudaIpcTransport(0)
+        transport = CudaIpcTransport(CudaIpcConfig(device=0))
         transport.register(src.data_ptr(), num_bytes)
 
         def write() -> None:

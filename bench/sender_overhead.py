@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from weightsync.checkpoint import preset_config
 from weightsync.layout import hf_tensor_shapes, rank_layout
 from weightsync.plan import SourceHolding, TargetRank, TensorMeta, build_plan
 from weightsync.sender import SenderConfig, WeightSender
+from weightsync.testing.presets import preset_config
 from weightsync.transport.base import WriteHandle
 
 

@@ -18,7 +18,7 @@ Before every timed sync the replicas' weights are snapshotted and overwritten wi
 values (on their GPUs with ``--device cuda``); after it they must equal the snapshot bit for
 bit. Both methods' first sync (group creation, metadata, staging allocation) is a warm-up and
 is not timed. Trainer and replicas generate the same seeded synthetic weights
-(`weightsync.synthetic`), so the warm-up's compare also checks the first sync against the
+(`weightsync.engine.synthetic`), so the warm-up's compare also checks the first sync against the
 replica's own copy of the weights.
 
 Prints a table and, last, one JSON line: ``{"workload", "bytes", "p2p_s", "baseline_s",
@@ -68,7 +68,7 @@ from common import (
     workload_config,
     write_config,
 )
-from weightsync.rollout.launch import ServedReplica, start_replicas
+from weightsync.testing.launcher import ServedReplica, start_replicas
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _METHODS = ("p2p", "baseline")
@@ -112,9 +112,9 @@ def _stage_export(args: TrainerArgs, rank: int, device: str) -> Any:
     """This rank's PP-local synthetic tensors, as the sender's export."""
     import torch
 
+    from weightsync.engine.synthetic import synthetic_hf_tensors
     from weightsync.layout import hf_tensor_shapes
     from weightsync.sender import ModelExport
-    from weightsync.synthetic import synthetic_hf_tensors
 
     pp_rank = rank % args.pp_size
     shapes = hf_tensor_shapes(args.config)
@@ -147,7 +147,12 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
         from weightsync.baseline import BroadcastConfig, BroadcastSync
         from weightsync.manager import SyncConfig, SyncManager, TrainerSync
         from weightsync.sender import SenderConfig, WeightSender
-        from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+        from weightsync.transport import (
+            CudaIpcConfig,
+            CudaIpcTransport,
+            MooncakeConfig,
+            MooncakeTransport,
+        )
 
         cuda = args.device == "cuda"
         device = f"cuda:{rank}" if cuda else "cpu"
@@ -170,7 +175,7 @@ def trainer_main(rank: int, args: TrainerArgs, commands: Any, results: Any) -> N
             return SyncManager(args.urls, SyncConfig(api_key=args.api_key, http_timeout_s=600.0))
 
         if args.transport == "cuda_ipc":
-            transport = CudaIpcTransport(device=rank, num_streams=args.ipc_streams)
+            transport = CudaIpcTransport(CudaIpcConfig(device=rank, num_streams=args.ipc_streams))
         else:
             transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=args.timeout_s))
         sender = WeightSender(

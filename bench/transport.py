@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+from weightsync.transport import CudaIpcConfig, CudaIpcTransport, MooncakeConfig, MooncakeTransport
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 CHUNKS = [64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
@@ -80,7 +80,7 @@ def _peer_main(args: argparse.Namespace) -> None:
         tensor = torch.zeros(args.num_bytes, dtype=torch.uint8, device=args.device)
         addr = tensor.data_ptr()
     if args.transport == "ipc":
-        transport: Any = CudaIpcTransport(int(args.device.split(":")[1]))
+        transport: Any = CudaIpcTransport(CudaIpcConfig(device=int(args.device.split(":")[1])))
     else:
         transport = MooncakeTransport(MooncakeConfig(timeout_s=30.0))
     transport.register(addr, args.num_bytes)
@@ -205,7 +205,9 @@ def _gpu(total: int, repeat: int, with_mooncake: bool) -> dict[str, Any]:
     local = torch.zeros(2 * total, dtype=torch.uint8, device="cuda:1")
     torch.cuda.synchronize("cuda:0")
     base = src.data_ptr()
-    transports = {"cuda_ipc": (CudaIpcTransport(0), _Peer(2 * total, "ipc", "cuda:1"))}
+    transports = {
+        "cuda_ipc": (CudaIpcTransport(CudaIpcConfig(device=0)), _Peer(2 * total, "ipc", "cuda:1"))
+    }
     if with_mooncake:
         mooncake = MooncakeTransport(MooncakeConfig(timeout_s=TIMEOUT_S))
         if mooncake.supports_device("cuda"):

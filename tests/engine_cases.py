@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from weightsync.checkpoint import preset_config, random_model
+from weightsync.testing.presets import preset_config, random_model
 
 LOGITS_ATOL = 1e-4
 MAX_NEW_TOKENS = 8
@@ -72,7 +72,7 @@ def hf_reference(model) -> dict[str, list]:
 
 def run_engine(model) -> dict[str, list]:
     """The engine's full-prompt logits (on CPU) and greedy continuations of `PROMPTS`."""
-    from weightsync.rollout.engine import generate
+    from weightsync.engine import generate
 
     device = model.device
     logits = [

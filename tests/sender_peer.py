@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from weightsync.checkpoint import random_model
-from weightsync.layout import ParallelismConfig, rank_layout, shard_state_dict
+from weightsync.layout import ParallelismConfig, rank_layout
 from weightsync.plan import TargetRank, build_plan
+from weightsync.receiver.loader import shard_state_dict
 from weightsync.sender import ModelExport, SenderConfig, WeightSender
-from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+from weightsync.testing.presets import random_model
+from weightsync.transport import CudaIpcConfig, CudaIpcTransport, MooncakeConfig, MooncakeTransport
 
 
 def _reply(obj: Any) -> None:
@@ -49,7 +50,7 @@ def _receive(groups: list[dict[str, Any]], dtype: str, cuda_device: int | None) 
             transport = (
                 MooncakeTransport(MooncakeConfig(timeout_s=5.0))
                 if cuda_device is None
-                else CudaIpcTransport(cuda_device)
+                else CudaIpcTransport(CudaIpcConfig(device=cuda_device))
             )
             params = {
                 name: torch.empty(layout.shape, dtype=getattr(torch, layout.dtype), device=device)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from weightsync.rollout.launch import (
+from weightsync.testing.launcher import (
     ServedReplica,
     serve_replicas,
     start_replicas,

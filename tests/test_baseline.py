@@ -20,8 +20,8 @@ import torch
 
 from process_group import run_in_process_group
 from servers import serve_replicas
-from weightsync.checkpoint import preset_config, write_random_checkpoint
 from weightsync.cli.demo_trainer import greedy_tokens
+from weightsync.testing.presets import preset_config, write_random_checkpoint
 
 API_KEY = "baseline-key"
 ROLLOUT_DTYPE = torch.bfloat16
@@ -169,8 +169,9 @@ def _expected_checksums(checkpoint: Path) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
     from weightsync.checkpoint import load_config_dict
-    from weightsync.layout import ParallelismConfig, shard_state_dict
-    from weightsync.rollout.checker import WeightsChecker
+    from weightsync.layout import ParallelismConfig
+    from weightsync.receiver.checker import WeightsChecker
+    from weightsync.receiver.loader import shard_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     for step in (1, 2):

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from weightsync.baseline import plan_buckets
-from weightsync.checkpoint import preset_config
+from weightsync.baseline.flat_bucket import FLAT_ALIGN_BYTES, FlatBucketLayout
+from weightsync.engine.synthetic import synthetic_hf_tensors, synthetic_tensor
 from weightsync.errors import LayoutMismatchError
-from weightsync.layout import ParallelismConfig, hf_tensor_shapes, load_hf_tensors, shard_state_dict
-from weightsync.layout.load import load_index
+from weightsync.layout import ParallelismConfig, hf_tensor_shapes
 from weightsync.plan import SourceHolding, TensorMeta, stage_layers
-from weightsync.rollout.flat_bucket import FLAT_ALIGN_BYTES, FlatBucketLayout
-from weightsync.synthetic import synthetic_hf_tensors, synthetic_tensor
+from weightsync.receiver.loader import load_hf_tensors, load_index, shard_state_dict
+from weightsync.testing.presets import preset_config
 
 CASES = [
     ("tiny", {}, ParallelismConfig(tp_size=2, tp_rank=1)),

@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 
 from servers import serve_replicas
-from weightsync.checkpoint import preset_config, write_random_checkpoint
-from weightsync.control import RolloutClient
-from weightsync.errors import RemoteReplicaError
-from weightsync.rollout.flat_bucket import FlatBucketLayout
-from weightsync.rollout.update_group import (
+from weightsync.baseline.flat_bucket import FlatBucketLayout
+from weightsync.baseline.update_group import (
     create_store,
     destroy_custom_process_group,
     init_custom_process_group,
 )
+from weightsync.control import RolloutClient
+from weightsync.errors import RemoteReplicaError
+from weightsync.testing.presets import preset_config, write_random_checkpoint
 
 API_KEY = "routes-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 import weightsync
-from weightsync.checkpoint import preset_config
 from weightsync.cli.main import app
 from weightsync.layout import ParallelismConfig, rank_layout
+from weightsync.testing.presets import preset_config
 
 TINY_QWEN3 = Path(weightsync.__file__).parent / "configs" / "tiny-qwen3.json"
 SCRIPT = Path(sys.executable).parent / "weightsync"

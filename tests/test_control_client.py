@@ -12,7 +12,7 @@ from servers import app_in_thread
 from weightsync.control import BootstrapClient, RolloutClient
 from weightsync.errors import RemoteReplicaError
 from weightsync.layout.parallelism import ParallelismConfig
-from weightsync.rollout.bootstrap_server import BootstrapRegistry, create_bootstrap_app
+from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 
 WEIGHTS_INFO = {"model.embed_tokens.weight": (4096, 640, 2), "lm_head.weight": (8192, 640, 2)}
 

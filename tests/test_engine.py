@@ -23,8 +23,8 @@ from engine_cases import (
 )
 from process_group import run_in_process_group
 from weightsync.checkpoint import load_config_dict
+from weightsync.engine import ReferenceModel, generate
 from weightsync.layout import ParallelismConfig, rank_layout
-from weightsync.rollout.engine import ReferenceModel, generate
 
 TP2_RUNS = [(name, 1) for name in CASES] + [("qwen3_moe", 2)]
 

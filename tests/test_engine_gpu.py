@@ -19,8 +19,8 @@ from engine_cases import (
 )
 from process_group import run_in_process_group
 from weightsync.checkpoint import load_config_dict
+from weightsync.engine import ReferenceModel, generate
 from weightsync.layout import ParallelismConfig
-from weightsync.rollout.engine import ReferenceModel, generate
 
 pytestmark = [
     pytest.mark.gpu,

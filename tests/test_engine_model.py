@@ -5,14 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.checkpoint import (
-    load_config_dict,
-    preset_config,
-    random_model,
-    write_random_checkpoint,
-)
-from weightsync.layout import ParallelismConfig, rank_layout, shard_state_dict
-from weightsync.rollout.engine import ModelSpec, ReferenceModel, generate
+from weightsync.checkpoint import load_config_dict
+from weightsync.engine import ModelSpec, ReferenceModel, generate
+from weightsync.layout import ParallelismConfig, rank_layout
+from weightsync.receiver.loader import shard_state_dict
+from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 
 CONFIGS = {
     "llama": preset_config("tiny", model_type="llama"),

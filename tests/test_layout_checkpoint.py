@@ -10,13 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from reference_loader import reference_shard
-from weightsync.checkpoint import (
-    build_hf_config,
-    load_config_dict,
-    preset_config,
-    random_model,
-    write_random_checkpoint,
-)
+from weightsync.checkpoint import load_config_dict
 from weightsync.layout import (
     SUPPORTED_MODEL_TYPES,
     ParallelismConfig,
@@ -24,7 +18,13 @@ from weightsync.layout import (
     model_dtype,
     normalize_hf_config,
     rank_layout,
-    shard_state_dict,
+)
+from weightsync.receiver.loader import shard_state_dict
+from weightsync.testing.presets import (
+    build_hf_config,
+    preset_config,
+    random_model,
+    write_random_checkpoint,
 )
 
 CHECKPOINTS = [("tiny", False), ("tiny", True), ("tiny-moe", False), ("tiny-moe", True)]

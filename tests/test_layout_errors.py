@@ -7,14 +7,10 @@ import re
 import pytest
 import torch
 
-from weightsync.checkpoint import preset_config
-from weightsync.layout import (
-    hf_tensor_shapes,
-    normalize_hf_config,
-    rank_layout,
-    shard_state_dict,
-    torch_dtype,
-)
+from weightsync.layout import hf_tensor_shapes, normalize_hf_config, rank_layout
+from weightsync.receiver.loader import shard_state_dict
+from weightsync.testing.presets import preset_config
+from weightsync.torch_dtypes import torch_dtype
 
 LLAMA = {
     "model_type": "llama",

@@ -19,9 +19,9 @@ from weightsync.layout import (
     ParallelismConfig,
     hf_tensor_shapes,
     rank_layout,
-    shard_state_dict,
-    torch_dtype,
 )
+from weightsync.receiver.loader import shard_state_dict
+from weightsync.torch_dtypes import torch_dtype
 
 
 def _divisors(n: int) -> list[int]:

@@ -7,17 +7,16 @@ import time
 import pytest
 import torch
 
-from weightsync.checkpoint import preset_config
 from weightsync.layout import (
     ParallelismConfig,
-    dtype_name,
     hf_tensor_shapes,
     layer_index,
     padded_vocab_size,
     rank_layout,
-    shard_state_dict,
-    torch_dtype,
 )
+from weightsync.receiver.loader import shard_state_dict
+from weightsync.testing.presets import preset_config
+from weightsync.torch_dtypes import dtype_name, torch_dtype
 
 
 def _rank(tp_size: int, tp_rank: int = 0, **extra: int) -> ParallelismConfig:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from servers import serve_replicas
-from weightsync.checkpoint import preset_config, random_model
 from weightsync.cli.demo_trainer import greedy_tokens
 from weightsync.layout import rank_layout
 from weightsync.manager import SyncConfig, SyncManager, TrainerSync
 from weightsync.sender import ModelExport, SenderConfig, WeightSender
+from weightsync.testing.presets import preset_config, random_model
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 pytestmark = pytest.mark.slow

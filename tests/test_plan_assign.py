@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from test_plan_properties import clusters
-from weightsync.checkpoint import preset_config
 from weightsync.plan import SourceHolding, SyncPlan, build_plan, simulate_sources, simulate_targets
 from weightsync.plan.assign import (
     DEFAULT_TOLERANCE,
@@ -19,6 +18,7 @@ from weightsync.plan.assign import (
     largest_first,
     max_load,
 )
+from weightsync.testing.presets import preset_config
 
 
 def _units(sizes: list[int], holders: tuple[int, ...] = (0, 1)) -> list[WorkUnit]:

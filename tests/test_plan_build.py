@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from weightsync.checkpoint import preset_config
 from weightsync.layout import ParallelismConfig, hf_tensor_shapes, rank_layout
 from weightsync.plan import (
     CopyItem,
@@ -19,6 +18,7 @@ from weightsync.plan import (
     stage_layers,
 )
 from weightsync.plan.merge import merge_items, merged_box
+from weightsync.testing.presets import preset_config
 
 TINY = preset_config("tiny")
 

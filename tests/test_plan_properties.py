@@ -16,8 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync.checkpoint import preset_config
-from weightsync.layout import ParallelismConfig, hf_tensor_shapes, shard_state_dict, torch_dtype
+from weightsync.layout import ParallelismConfig, hf_tensor_shapes
 from weightsync.plan import (
     SourceHolding,
     SyncPlan,
@@ -27,6 +26,9 @@ from weightsync.plan import (
     simulate_sources,
     simulate_targets,
 )
+from weightsync.receiver.loader import shard_state_dict
+from weightsync.testing.presets import preset_config
+from weightsync.torch_dtypes import torch_dtype
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,6 @@ import re
 
 import pytest
 
-from weightsync.checkpoint import preset_config
 from weightsync.errors import LayoutMismatchError, WeightSyncError
 from weightsync.layout import hf_tensor_shapes, rank_layout
 from weightsync.plan import (
@@ -19,6 +18,7 @@ from weightsync.plan import (
     simulate_targets,
 )
 from weightsync.plan.validate import check_coverage
+from weightsync.testing.presets import preset_config
 
 CONFIG = preset_config("tiny")  # qwen3, 4 layers, float32
 QKV = "model.layers.1.self_attn.qkv_proj.weight"

@@ -12,8 +12,8 @@ from servers import app_in_thread
 from weightsync.control import BootstrapClient
 from weightsync.errors import RemoteReplicaError, TransferError
 from weightsync.layout.parallelism import ParallelismConfig
-from weightsync.rollout import RolloutAgent, UpdateSessionError, WeightsChecker, memory_regions
-from weightsync.rollout.bootstrap_server import BootstrapRegistry, create_bootstrap_app
+from weightsync.receiver import RolloutAgent, UpdateSessionError, WeightsChecker, memory_regions
+from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 PARALLELISM = ParallelismConfig(tp_size=2, tp_rank=1)

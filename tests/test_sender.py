@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.checkpoint import preset_config, random_model
 from weightsync.errors import TransferError
 from weightsync.plan import SourceHolding, TargetRank, build_plan
 from weightsync.sender import ModelExport, SenderConfig, WeightSender
+from weightsync.testing.presets import preset_config, random_model
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

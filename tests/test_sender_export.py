@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from weightsync.checkpoint import preset_config, random_model, write_random_checkpoint
 from weightsync.layout import hf_tensor_shapes
 from weightsync.plan import simulate_sources, stage_layers
 from weightsync.sender import ModelExport, hf_state_items
+from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from test_sender import MODELS, MOE, TINY, Receiver, _assert_exact, _config, _plan_for
-from weightsync.checkpoint import random_model
 from weightsync.sender import ModelExport, WeightSender
-from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+from weightsync.testing.presets import random_model
+from weightsync.transport import CudaIpcConfig, CudaIpcTransport, MooncakeConfig, MooncakeTransport
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +38,7 @@ def gpu_receiver() -> Iterator[Receiver]:
 
 @pytest.fixture(scope="module")
 def ipc() -> Iterator[CudaIpcTransport]:
-    transport = CudaIpcTransport(0)
+    transport = CudaIpcTransport(CudaIpcConfig(device=0))
     yield transport
     transport.close()
 

@@ -17,12 +17,14 @@ from safetensors.torch import load_file
 
 from servers import serve_replicas
 from weightsync import __version__
-from weightsync.checkpoint import load_config_dict, preset_config, write_random_checkpoint
+from weightsync.checkpoint import load_config_dict
 from weightsync.control import RolloutClient
 from weightsync.control.models import ServerInfo
 from weightsync.errors import RemoteReplicaError
-from weightsync.layout import rank_layout, shard_state_dict
+from weightsync.layout import rank_layout
 from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.receiver.loader import shard_state_dict
+from weightsync.testing.presets import preset_config, write_random_checkpoint
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 API_KEY = "test-key"

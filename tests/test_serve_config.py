@@ -11,10 +11,10 @@ import torch
 from typer.testing import CliRunner
 
 from weightsync.baseline import BroadcastConfig
-from weightsync.checkpoint import preset_config
 from weightsync.cli.main import app
-from weightsync.rollout.config import ServeConfig
-from weightsync.rollout.runtime import open_transport
+from weightsync.server.config import ServeConfig
+from weightsync.server.ranks.runtime import rank_transport
+from weightsync.testing.presets import preset_config
 from weightsync.transport import MooncakeTransport
 
 
@@ -53,7 +53,7 @@ def test_cuda_ipc_with_cuda_is_accepted():
 
 def test_mooncake_transport_for_a_cpu_rank():
     config = ServeConfig(model_path="m")
-    transport = open_transport(config, torch.device("cpu"))
+    transport = rank_transport(config, torch.device("cpu"))
     try:
         assert isinstance(transport, MooncakeTransport)
         assert transport.supports_device(torch.device("cpu"))
@@ -65,7 +65,7 @@ def test_mooncake_transport_for_a_cpu_rank():
 def test_mooncake_without_cuda_refuses_gpu_memory():
     config = ServeConfig(model_path="m", device="cuda")
     with pytest.raises(ValueError, match="--transport cuda_ipc"):
-        open_transport(config, torch.device("cuda", 0))
+        rank_transport(config, torch.device("cuda", 0))
 
 
 def test_cli_refuses_gpu_options_it_cannot_serve(model_dir):

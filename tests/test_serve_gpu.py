@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from servers import serve_replicas
-from weightsync.checkpoint import preset_config
+from weightsync.testing.presets import preset_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,7 +69,7 @@ def _checker(url: str, action: str) -> None:
 
 def _trainer_tensors(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from weightsync.checkpoint import load_config_dict
-    from weightsync.synthetic import synthetic_hf_tensors
+    from weightsync.engine.synthetic import synthetic_hf_tensors
 
     config = load_config_dict(model_dir)
     tensors = dict(synthetic_hf_tensors(config, seed=SEED, dtype="bfloat16", device="cuda:0"))
@@ -93,10 +93,10 @@ def test_replica_publishes_cuda_ipc_sessions_on_its_gpu(replica):
 def test_p2p_sync_over_cuda_ipc_is_bit_exact(replica, model_dir):
     from weightsync.manager import SyncConfig, SyncManager, TrainerSync
     from weightsync.sender import ModelExport, SenderConfig, WeightSender
-    from weightsync.transport import CudaIpcTransport
+    from weightsync.transport import CudaIpcConfig, CudaIpcTransport
 
     config, tensors = _trainer_tensors(model_dir)
-    transport = CudaIpcTransport(0)
+    transport = CudaIpcTransport(CudaIpcConfig(device=0))
     sender = WeightSender(SenderConfig(bucket_bytes=1 << 20, timeout_s=30.0), transport=transport)
     manager = SyncManager(
         [replica.url], SyncConfig(api_key=API_KEY, check_weight_update_equal=True)

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from servers import start_replicas
-from weightsync.checkpoint import preset_config, write_random_checkpoint
 from weightsync.cli.main import app
+from weightsync.testing.presets import preset_config, write_random_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def _ranks(pid: int) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(pid).children(recursive=True)
-        if "weightsync.rollout.ranks" in " ".join(p.cmdline())
+        if "weightsync.server.ranks.follower" in " ".join(p.cmdline())
     ]
 
 
@@ -40,7 +40,7 @@ def test_sigterm_stops_every_rank_cleanly(checkpoint, tmp_path):
         assert replica.process.wait(60) == 0, replica.log_tail()
         _, alive = psutil.wait_procs(ranks, timeout=30)
         assert not alive
-        assert "tp1 weightsync.rollout.ranks: stopped" in replica.log_path.read_text()
+        assert "tp1 weightsync.server.ranks.follower: stopped" in replica.log_path.read_text()
     finally:
         replica.stop()
 

@@ -16,8 +16,8 @@ import torch
 
 from process_group import run_in_process_group
 from servers import serve_replicas
-from weightsync.checkpoint import preset_config, write_random_checkpoint
 from weightsync.errors import LayoutMismatchError
+from weightsync.testing.presets import preset_config, write_random_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 
 from transport_peer import PeerProcess, random_bytes
 from weightsync.errors import TransferError
-from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+from weightsync.transport import CudaIpcConfig, CudaIpcTransport, MooncakeConfig, MooncakeTransport
 
 torch = pytest.importorskip("torch")
 
@@ -59,7 +59,7 @@ def test_cuda_ipc_moves_4_gib_gpu0_to_gpu1_at_nvlink_rate(streams: int) -> None:
     try:
         src = random_bytes(num_bytes, 7, "cuda:0")
         torch.cuda.synchronize(0)
-        with CudaIpcTransport(0, num_streams=streams) as transport:
+        with CudaIpcTransport(CudaIpcConfig(device=0, num_streams=streams)) as transport:
             transport.register(src.data_ptr(), num_bytes)
 
             def write() -> float:
@@ -94,7 +94,7 @@ def test_cuda_ipc_scattered_regions_and_a_write_past_the_end() -> None:
         for offset, length in zip(offsets, lengths, strict=True):
             expected[offset : offset + length] = src[offset : offset + length]
         torch.cuda.synchronize(0)
-        with CudaIpcTransport(0) as transport:
+        with CudaIpcTransport(CudaIpcConfig(device=0)) as transport:
             transport.register(src.data_ptr(), num_bytes)
             handle = transport.write(
                 peer.session_id,
@@ -122,7 +122,7 @@ def test_cuda_ipc_write_after_stream_waits_for_the_producing_work() -> None:
         src = torch.zeros(num_bytes, dtype=torch.uint8, device="cuda:0")
         expected = random_bytes(num_bytes, 5, "cuda:0")
         torch.cuda.synchronize(0)
-        with CudaIpcTransport(0) as transport:
+        with CudaIpcTransport(CudaIpcConfig(device=0)) as transport:
             transport.register(src.data_ptr(), num_bytes)
             stream = torch.cuda.current_stream(0)
             for _ in range(3):

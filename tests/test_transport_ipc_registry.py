@@ -7,9 +7,9 @@ import ctypes.util
 import pytest
 
 from weightsync.errors import WeightSyncError
-from weightsync.transport import CudaIpcTransport
+from weightsync.transport import CudaIpcConfig, CudaIpcTransport
 from weightsync.transport.base import RegionTable, check_regions
-from weightsync.transport.ipc_registry import (
+from weightsync.transport.cuda_ipc.registry import (
     Allocation,
     RegistryServer,
     RegistrySnapshot,
@@ -81,4 +81,4 @@ def test_check_regions_rejects_bad_input() -> None:
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="has a CUDA driver")
 def test_cuda_ipc_without_a_driver_is_a_weightsync_error() -> None:
     with pytest.raises(WeightSyncError, match="CUDA driver"):
-        CudaIpcTransport(0)
+        CudaIpcTransport(CudaIpcConfig(device=0))

@@ -19,7 +19,7 @@ import torch
 from transport_peer import PeerProcess
 from weightsync.errors import TransferError, WeightSyncError
 from weightsync.transport import MooncakeConfig, MooncakeTransport, Transport, register_tensor
-from weightsync.transport.mooncake_engine import rdma_devices
+from weightsync.transport.mooncake.engine import rdma_devices
 
 MIB = 1 << 20
 PEER_BYTES = 320 * MIB

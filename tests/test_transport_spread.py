@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightsync.transport.cuda_ipc import spread
+from weightsync.transport.cuda_ipc.transport import spread
 
 MIB = 1 << 20
 

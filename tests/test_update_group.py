@@ -13,7 +13,7 @@ from process_group import run_in_process_group
 def _join(rank: int, group: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from weightsync.rollout.update_group import (
+    from weightsync.baseline.update_group import (
         create_store,
         destroy_custom_process_group,
         init_custom_process_group,

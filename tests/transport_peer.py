@@ -127,7 +127,12 @@ class PeerProcess:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from weightsync.transport import CudaIpcTransport, MooncakeConfig, MooncakeTransport
+    from weightsync.transport import (
+        CudaIpcConfig,
+        CudaIpcTransport,
+        MooncakeConfig,
+        MooncakeTransport,
+    )
 
     tensor = None
     if args.device == "cpu":
@@ -140,7 +145,9 @@ def _serve(args: argparse.Namespace) -> None:
         tensor = torch.zeros(args.num_bytes, dtype=torch.uint8, device=args.device)
         addr = tensor.data_ptr()
     if args.transport == "ipc":
-        transport: Any = CudaIpcTransport(torch.device(args.device).index or 0)
+        transport: Any = CudaIpcTransport(
+            CudaIpcConfig(device=torch.device(args.device).index or 0)
+        )
     else:
         transport = MooncakeTransport(MooncakeConfig(timeout_s=5.0))
     transport.register(addr, args.num_bytes)

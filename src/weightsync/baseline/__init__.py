@@ -6,9 +6,9 @@ each rollout rank receives every bucket whole and loads it tensor by tensor. It 
 measured against the point-to-point sync (``bench/sync.py``), over the same lifecycle.
 """
 
-from weightsync.baseline.buckets import BroadcastBucket, plan_buckets
-from weightsync.baseline.config import BroadcastConfig
-from weightsync.baseline.group import BroadcastGroup
-from weightsync.baseline.sync import BroadcastSync
+from weightsync.baseline.trainer.buckets import BroadcastBucket, plan_buckets
+from weightsync.baseline.trainer.config import BroadcastConfig
+from weightsync.baseline.trainer.group import BroadcastGroup
+from weightsync.baseline.trainer.sync import BroadcastSync
 
 __all__ = ["BroadcastBucket", "BroadcastConfig", "BroadcastGroup", "BroadcastSync", "plan_buckets"]

@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from weightsync.checkpoint import DEMO_PRESETS, preset_config, write_random_checkpoint
 from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
-from weightsync.rollout.launch import ServedReplica, start_replicas
+from weightsync.testing.launcher import ServedReplica, start_replicas
+from weightsync.testing.presets import DEMO_PRESETS, preset_config, write_random_checkpoint
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 _PROMPTS = ((1, 17, 42, 7), (5, 99, 3, 250, 11, 8), (600, 2, 2, 31))

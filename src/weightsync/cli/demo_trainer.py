@@ -67,9 +67,9 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     from weightsync.checkpoint import load_config_dict
-    from weightsync.layout import torch_dtype
     from weightsync.manager import SyncConfig, SyncManager, TrainerSync
     from weightsync.sender import ModelExport, SenderConfig, WeightSender
+    from weightsync.torch_dtypes import torch_dtype
     from weightsync.transport import MooncakeConfig, MooncakeTransport
 
     dist.init_process_group(

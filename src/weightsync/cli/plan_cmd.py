@@ -13,9 +13,10 @@ from rich.table import Table
 
 from weightsync.checkpoint import load_config_dict
 from weightsync.errors import LayoutMismatchError
-from weightsync.layout import dtype_name, normalize_hf_config, torch_dtype
+from weightsync.layout import normalize_hf_config
 from weightsync.plan import SyncPlan, build_plan, simulate_sources, simulate_targets
 from weightsync.plan.validate import int_ranges
+from weightsync.torch_dtypes import dtype_name, torch_dtype
 
 # Exit code for bad command-line input, as click uses for usage errors.
 _USAGE_ERROR = 2

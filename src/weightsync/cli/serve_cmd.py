@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from weightsync.rollout.config import ServeConfig
+from weightsync.server.config import ServeConfig
 
 # Exit code for bad command-line input, as click uses for usage errors.
 _USAGE_ERROR = 2
@@ -133,7 +133,7 @@ def serve(
             )
             raise typer.Exit(_USAGE_ERROR)
 
-    from weightsync.rollout.serve import serve as run_replica
+    from weightsync.server.serve import serve as run_replica
 
     try:
         code = run_replica(config)

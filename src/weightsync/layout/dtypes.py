@@ -1,13 +1,33 @@
-"""Dtype names: weightsync passes dtypes as torch names without the ``torch.`` prefix."""
+"""Dtype names: weightsync passes dtypes as torch names without the ``torch.`` prefix.
+
+This is the one table of dtypes weightsync moves (their element sizes) and of the spellings
+users type for them; everything else, torch included, is converted through it.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from weightsync.layout.types import DTYPE_SIZES
+# Element sizes of the dtypes weightsync moves, by their torch names without the prefix.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+    "float64": 8,
+}
+
+FLOAT_DTYPES: frozenset[str] = frozenset(
+    {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float64"}
+)
 
 # Spellings users type on command lines and in configs, mapped to the canonical names.
-_ALIASES: dict[str, str] = {
+DTYPE_ALIASES: dict[str, str] = {
     "bf16": "bfloat16",
     "fp16": "float16",
     "half": "float16",
@@ -15,56 +35,49 @@ _ALIASES: dict[str, str] = {
     "float": "float32",
     "fp64": "float64",
     "double": "float64",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
 }
 
+# The dtypes a rollout serves from the command line (`weightsync serve --dtype`, the demo).
+ROLLOUT_DTYPE_CHOICES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 
-def canonical_dtype_name(name: str) -> str:
-    """The canonical name of a dtype spelling (``"torch.bfloat16"``, ``"bf16"`` -> ``"bfloat16"``).
+
+def canonical_dtype_name(dtype: Any) -> str:
+    """The canonical name of a dtype: a name, an alias or a torch dtype.
+
+    ``"torch.bfloat16"``, ``"bf16"`` and ``torch.bfloat16`` all give ``"bfloat16"``.
 
     Raises:
-        ValueError: the name is not a dtype weightsync moves.
+        ValueError: the dtype is not one weightsync moves.
     """
-    if not isinstance(name, str):
-        raise ValueError(f"dtype name must be a string, got {name!r}")
-    key = name.strip().lower().removeprefix("torch.")
-    key = _ALIASES.get(key, key)
+    if dtype is None or isinstance(dtype, bool | int | float):
+        raise ValueError(f"expected a dtype or dtype name, got {dtype!r}")
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
     if key not in DTYPE_SIZES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPE_SIZES)}")
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_SIZES)}")
     return key
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a dtype name (``"bfloat16"`` -> ``torch.bfloat16``).
-
-    Args:
-        name: a canonical name, a ``torch.``-prefixed name or an alias such as ``"bf16"``.
-
-    Raises:
-        ValueError: the name is not a dtype weightsync moves.
-    """
-    return getattr(torch, canonical_dtype_name(name))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name of a torch dtype without the prefix (``torch.bfloat16`` -> ``"bfloat16"``).
-
-    Raises:
-        ValueError: ``dtype`` is not a torch dtype weightsync moves.
-    """
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"expected a torch.dtype, got {dtype!r}")
-    return canonical_dtype_name(str(dtype))
-
-
-def resolve_dtype_name(dtype: torch.dtype | str) -> str:
-    """The canonical name of a torch dtype or dtype name, checked to be floating point.
+def resolve_dtype_name(dtype: Any) -> str:
+    """The canonical name of a model dtype, checked to be floating point.
 
     Model weights are floating point; an integer dtype here is a caller's mistake.
 
     Raises:
         ValueError: unknown dtype, or not a floating-point dtype.
     """
-    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else canonical_dtype_name(dtype)
-    if not torch_dtype(name).is_floating_point:
+    name = canonical_dtype_name(dtype)
+    if name not in FLOAT_DTYPES:
         raise ValueError(f"model dtype must be floating point, got {name!r}")
     return name
+
+
+def dtype_size(dtype: Any) -> int:
+    """Bytes per element of a dtype (a name, an alias or a torch dtype).
+
+    Raises:
+        ValueError: the dtype is not one weightsync moves.
+    """
+    return DTYPE_SIZES[canonical_dtype_name(dtype)]

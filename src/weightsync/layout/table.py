@@ -6,8 +6,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from weightsync.layout.attention import attention_hf_shapes, attention_params
 from weightsync.layout.config import ModelDims, model_dims
 from weightsync.layout.dtypes import resolve_dtype_name
@@ -43,7 +41,7 @@ def as_parallelism(parallelism: ParallelismConfig | Mapping[str, Any]) -> Parall
     )
 
 
-def rollout_dtype_name(dims: ModelDims, dtype: torch.dtype | str | None) -> str:
+def rollout_dtype_name(dims: ModelDims, dtype: Any) -> str:
     """The rollout dtype's name: ``dtype``, or the model's own when it is None or ``"auto"``."""
     if dtype is None or dtype == "auto":
         return dims.dtype
@@ -113,7 +111,7 @@ def _rank_layout(
 def rank_layout(
     hf_config: Any,
     parallelism: ParallelismConfig | Mapping[str, Any],
-    dtype: torch.dtype | str | None = None,
+    dtype: Any = None,
 ) -> dict[str, ParamLayout]:
     """Every parameter of one rollout rank, in the engine's parameter order, with sources.
 

@@ -5,19 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Element sizes of the dtypes weightsync moves, by their torch names without the prefix.
-DTYPE_SIZES: dict[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int32": 4,
-    "int64": 8,
-    "float64": 8,
-}
+from weightsync.layout.dtypes import DTYPE_SIZES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

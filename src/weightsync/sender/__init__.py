@@ -5,8 +5,8 @@
 ``(hf_name, tensor)`` stream it consumes.
 """
 
+from weightsync.export.hf import ModelExport, hf_state_items
 from weightsync.sender.config import SenderConfig
-from weightsync.sender.export import ModelExport, hf_state_items
 from weightsync.sender.sender import WeightSender
 from weightsync.sender.stats import PushStats
 

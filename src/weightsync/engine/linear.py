@@ -1,0 +1,59 @@
+"""Column- and row-parallel linear layers.
+
+Which rows or columns of a full HF matrix a rank holds (fused ``[q; k; v]`` of its heads,
+``[gate; up]``, a slice of the input dim) is the layout's rule; these layers only multiply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from weightsync.engine.tp_group import TensorParallelGroup
+
+
+def as_compute(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in the dtype of the activations `x` (a no-op when they already agree).
+
+    Parameters keep the dtype the rollout publishes (the bytes a sync writes); the engine
+    may compute in a wider dtype, e.g. float32 on CPU.
+    """
+    if weight is None or weight.dtype == x.dtype:
+        return weight
+    return weight.to(x.dtype)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``y = x W^T (+ b)`` with this rank's output rows; the outputs stay sharded.
+
+    Args:
+        weight: ``[out_local, in]``.
+        bias: ``[out_local]`` or ``None``.
+    """
+
+    def __init__(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out_local]``."""
+        return F.linear(x, as_compute(self.weight, x), as_compute(self.bias, x))
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``y = x W^T`` over this rank's input columns, summed over the TP ranks.
+
+    Args:
+        weight: ``[out, in_local]``.
+        tp_group: the group whose ranks hold the other input columns.
+    """
+
+    def __init__(self, weight: torch.nn.Parameter, tp_group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.weight = weight
+        self.tp_group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in_local]`` (this rank's shard) -> the full ``[..., out]``."""
+        return self.tp_group.all_reduce(F.linear(x, as_compute(self.weight, x)))

@@ -1,0 +1,21 @@
+"""What an inference engine integrates to receive point-to-point weight syncs.
+
+`RolloutAgent` (one per engine rank: registers the parameters, publishes them, serves the
+update sessions and the weights checker), `WeightsChecker`, and the engine-side loader
+(`weightsync.receiver.loader`). No web framework: an engine serves the routes its own way.
+"""
+
+from weightsync.receiver.agent import RolloutAgent, UpdateSessionError, memory_regions
+from weightsync.receiver.checker import CheckResult, ParamDiff, WeightsChecker
+from weightsync.receiver.loader import load_hf_tensors, shard_state_dict
+
+__all__ = [
+    "CheckResult",
+    "ParamDiff",
+    "RolloutAgent",
+    "UpdateSessionError",
+    "WeightsChecker",
+    "load_hf_tensors",
+    "memory_regions",
+    "shard_state_dict",
+]

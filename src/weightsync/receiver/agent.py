@@ -1,0 +1,260 @@
+"""`RolloutAgent`: weightsync's receiving side inside one rank of any PyTorch engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Self
+
+import httpx
+import torch
+
+from weightsync.control.models import (
+    RegisterParallelismConfigRequest,
+    RegisterTransferEngineInfoRequest,
+    Selector,
+    TransferEngineInfo,
+)
+from weightsync.control.replies import check_reply, unreachable
+from weightsync.errors import WeightSyncError
+from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.receiver.checker import CheckResult, WeightsChecker
+
+if TYPE_CHECKING:
+    from weightsync.transport import Transport
+
+
+class UpdateSessionError(WeightSyncError):
+    """A weight-update session was begun while one is open, or ended while none is."""
+
+
+class RolloutAgent:
+    """Registers one rank's parameters with a transport and serves its side of a sync.
+
+    The call protocol, on each rank of a rollout replica:
+
+    1. ``RolloutAgent(params=..., parallelism=..., transport=...)`` once the parameters are
+       allocated and loaded: their memory is registered with the transport, once. From then
+       on nothing may move, free or replace a parameter's storage (no weight offload, no
+       memory saver): trainers write into those addresses.
+    2. `publish` to the replica's bootstrap server (or serve `transfer_engine_info` yourself).
+    3. Per update: `begin_update`, (trainers write the bytes), `set_weight_version`,
+       `end_update`. The engine must not run forward passes between begin and end.
+    4. Any time: `weights_checker` (snapshot / reset_tensors / compare / checksum).
+    5. `close` when the engine shuts down: unregisters the memory (the transport stays the
+       caller's to close).
+
+    An agent is used from one thread (the rank's engine loop); it is not thread-safe.
+
+    Args:
+        params: every parameter of the rank by the engine's name, each contiguous; buffers
+            are not synced and must not be included.
+        parallelism: where this rank sits in its replica.
+        transport: the rank's transport (e.g. a `MooncakeTransport`).
+        on_update_end: the engine's post-load processing (re-quantisation, splits), run by
+            `end_update` after the bytes arrived.
+        weight_version: the label of the weights the rank starts with.
+
+    Raises:
+        ValueError: no parameters, a value that is not a tensor, or a non-contiguous
+            parameter (its bytes would not be where `weights_info` says).
+    """
+
+    def __init__(
+        self,
+        *,
+        params: Mapping[str, torch.Tensor],
+        parallelism: ParallelismConfig,
+        transport: Transport,
+        on_update_end: Callable[[], None] | None = None,
+        weight_version: str = "default",
+    ) -> None:
+        if not params:
+            raise ValueError("RolloutAgent needs at least one parameter")
+        for name, tensor in params.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"parameter {name!r} is a {type(tensor).__name__}, not a tensor")
+            if not tensor.is_contiguous():
+                raise ValueError(
+                    f"parameter {name!r} (shape {tuple(tensor.shape)}, stride {tensor.stride()}) "
+                    "is not contiguous; the engine must allocate parameters contiguously so "
+                    "that their bytes are one registered region"
+                )
+        self._params = {name: t.detach() for name, t in params.items()}
+        self._parallelism = parallelism
+        self._transport = transport
+        self._on_update_end = on_update_end
+        self._weight_version = weight_version
+        self._session_selector: str | None = None
+        self._checker = WeightsChecker(self._params)
+        self._registered: list[int] = []
+        try:
+            for addr, num_bytes in memory_regions(self._params.values()):
+                transport.register(addr, num_bytes)
+                self._registered.append(addr)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def parallelism(self) -> ParallelismConfig:
+        """Where this rank sits in its replica."""
+        return self._parallelism
+
+    @property
+    def session_id(self) -> str:
+        """The transport's session id (``host:port``) that trainers write to."""
+        return self._transport.session_id
+
+    @property
+    def registered_regions(self) -> int:
+        """How many memory regions are registered (adjacent parameters share one)."""
+        return len(self._registered)
+
+    @property
+    def session_open(self) -> bool:
+        """Whether a weight-update session is open."""
+        return self._session_selector is not None
+
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights this rank holds."""
+        return self._weight_version
+
+    def set_weight_version(self, version: str) -> None:
+        """Label the weights this rank now holds."""
+        self._weight_version = version
+
+    def weights_info(self) -> dict[str, list[int]]:
+        """``{param_name: [data_ptr, numel, element_size]}`` of every parameter."""
+        return {
+            name: [t.data_ptr(), t.numel(), t.element_size()] for name, t in self._params.items()
+        }
+
+    def transfer_engine_info(self) -> dict[str, object]:
+        """``{"session_id": ..., "weights_info_dict": weights_info()}`` as PROTOCOL.md
+        publishes it."""
+        return {"session_id": self.session_id, "weights_info_dict": self.weights_info()}
+
+    def publish(
+        self, bootstrap_url: str, *, api_key: str | None = None, timeout_s: float = 30.0
+    ) -> None:
+        """Register this rank's transfer-engine info and parallelism config with the
+        replica's bootstrap server (``PUT /register_transfer_engine_info`` and
+        ``PUT /register_parallelism_config``).
+
+        Blocking; call it from the rank's own thread, never from an event loop.
+
+        Raises:
+            RemoteReplicaError: the bootstrap server refused or could not be reached.
+        """
+        tp_rank = self._parallelism.tp_rank
+        bodies = {
+            "/register_transfer_engine_info": RegisterTransferEngineInfoRequest(
+                tp_rank=tp_rank,
+                transfer_engine_info=TransferEngineInfo(
+                    session_id=self.session_id,
+                    weights_info_dict={k: tuple(v) for k, v in self.weights_info().items()},
+                ),
+            ),
+            "/register_parallelism_config": RegisterParallelismConfigRequest(
+                tp_rank=tp_rank, parallelism_config=self._parallelism.to_dict()
+            ),
+        }
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        url = bootstrap_url.rstrip("/")
+        with httpx.Client(
+            base_url=url, headers=headers, timeout=timeout_s, trust_env=False
+        ) as client:
+            for route, body in bodies.items():
+                try:
+                    response = client.put(route, json=body.model_dump(mode="json"))
+                except httpx.HTTPError as exc:
+                    raise unreachable(exc, replica=url, route=route) from exc
+                check_reply(response, replica=url, route=route)
+
+    def begin_update(self, selector: Selector = "target") -> None:
+        """Open a weight-update session; the engine must not generate until `end_update`.
+
+        Raises:
+            UpdateSessionError: a session is already open.
+            ValueError: ``selector="draft"``: this agent holds no draft model.
+        """
+        if selector == "draft":
+            raise ValueError("this rank has no draft model; use selector 'target' or 'all'")
+        if self._session_selector is not None:
+            raise UpdateSessionError(
+                f"a weight-update session (selector={self._session_selector}) is already open "
+                f"on tp rank {self._parallelism.tp_rank}; end it before beginning another"
+            )
+        self._session_selector = selector
+
+    def end_update(self) -> None:
+        """Run the engine's post-load processing and close the session.
+
+        Raises:
+            UpdateSessionError: no session is open.
+        """
+        if self._session_selector is None:
+            raise UpdateSessionError(
+                f"no weight-update session is open on tp rank {self._parallelism.tp_rank}; "
+                "call begin_weight_update first"
+            )
+        try:
+            if self._on_update_end is not None:
+                self._on_update_end()
+        finally:
+            self._session_selector = None
+
+    def weights_checker(
+        self,
+        action: str,
+        *,
+        allow_quant_error: bool = False,
+        skip_tensor_list: Collection[str] = (),
+        seed: int | None = None,
+    ) -> CheckResult:
+        """Run a weights-checker action on this rank's parameters (see `WeightsChecker.run`).
+
+        Raises:
+            ValueError: unknown action or a skip entry that matches no parameter.
+        """
+        return self._checker.run(
+            action,
+            allow_quant_error=allow_quant_error,
+            skip_tensor_list=skip_tensor_list,
+            seed=seed,
+        )
+
+    def close(self) -> None:
+        """Unregister every region this agent registered (idempotent)."""
+        while self._registered:
+            self._transport.unregister(self._registered.pop())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def memory_regions(tensors: Collection[torch.Tensor]) -> list[tuple[int, int]]:
+    """The ``(addr, num_bytes)`` regions that cover `tensors`, sorted by address.
+
+    Tensors that share one storage (an engine that carves parameters out of one flat buffer)
+    and touch or overlap are merged into one region; tensors of different storages are never
+    merged, even when their addresses happen to be adjacent, because one registration must
+    not span two allocations. Empty tensors are left out.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes, t.untyped_storage().data_ptr())
+        for t in tensors
+        if t.numel()
+    )
+    regions: list[list[int]] = []
+    for start, end, storage in spans:
+        last = regions[-1] if regions else None
+        if last is not None and last[0] == storage and start <= last[2]:
+            last[2] = max(last[2], end)
+        else:
+            regions.append([storage, start, end])
+    return [(start, end - start) for _, start, end in regions]

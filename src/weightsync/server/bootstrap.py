@@ -1,0 +1,130 @@
+"""The engine-info bootstrap server (PROTOCOL.md): ranks register, trainers look them up."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
+
+from weightsync import __version__
+from weightsync.control.models import (
+    RegisterParallelismConfigRequest,
+    RegisterTransferEngineInfoRequest,
+    TransferEngineInfoResponse,
+    WeightsInfo,
+)
+from weightsync.server.http import ERROR_RESPONSES, bearer_auth, install_error_handler
+
+logger = logging.getLogger(__name__)
+
+
+class BootstrapRegistry:
+    """What each rank of a replica registered: transfer-engine info and parallelism config.
+
+    Thread-safe: HTTP handlers write it, other threads of the process may read it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine_info: dict[int, tuple[str, WeightsInfo]] = {}
+        self._parallelism: dict[int, dict[str, Any]] = {}
+
+    def register_transfer_engine_info(
+        self, tp_rank: int, session_id: str, weights_info: WeightsInfo
+    ) -> None:
+        """Record (or replace) rank `tp_rank`'s session id and parameter table."""
+        with self._lock:
+            self._engine_info[tp_rank] = (session_id, dict(weights_info))
+
+    def register_parallelism_config(self, tp_rank: int, config: dict[str, Any]) -> None:
+        """Record (or replace) rank `tp_rank`'s parallelism config."""
+        with self._lock:
+            self._parallelism[tp_rank] = dict(config)
+
+    def transfer_engine_info(self, rank: int) -> tuple[str, WeightsInfo] | None:
+        """Rank `rank`'s ``(session_id, weights_info)``, or ``None`` if it has not registered."""
+        with self._lock:
+            return self._engine_info.get(rank)
+
+    def parallelism_config(self, rank: int) -> dict[str, Any] | None:
+        """Rank `rank`'s parallelism config, or ``None`` if it has not registered."""
+        with self._lock:
+            return self._parallelism.get(rank)
+
+
+def create_bootstrap_app(registry: BootstrapRegistry, *, api_key: str | None = None) -> FastAPI:
+    """The bootstrap server's app over `registry`.
+
+    Errors follow SGLang's bootstrap server: ``{"detail": ...}`` with 400 for a negative
+    rank and 404 for a rank that has not registered; with `api_key`, the ``PUT`` routes need
+    ``Authorization: Bearer <api_key>`` (401 otherwise).
+    """
+    app = FastAPI(
+        title="weightsync engine-info bootstrap server",
+        version=__version__,
+        description="Per-rank transfer-engine info and parallelism config of one replica.",
+    )
+    install_error_handler(app)
+    authorized = [Depends(bearer_auth(api_key))]
+
+    @app.get("/health", response_class=PlainTextResponse)
+    async def health() -> str:
+        """``OK`` while the server runs."""
+        return "OK"
+
+    @app.put(
+        "/register_transfer_engine_info",
+        response_class=PlainTextResponse,
+        dependencies=authorized,
+        responses=ERROR_RESPONSES,
+    )
+    async def register_transfer_engine_info(body: RegisterTransferEngineInfoRequest) -> str:
+        """Record a rank's transfer-engine session id and parameter table."""
+        info = body.transfer_engine_info
+        registry.register_transfer_engine_info(
+            body.tp_rank, info.session_id, info.weights_info_dict
+        )
+        logger.info(
+            "registered transfer engine info of tp rank %d: session %s, %d parameters",
+            body.tp_rank,
+            info.session_id,
+            len(info.weights_info_dict),
+        )
+        return "OK"
+
+    @app.put(
+        "/register_parallelism_config",
+        response_class=PlainTextResponse,
+        dependencies=authorized,
+        responses=ERROR_RESPONSES,
+    )
+    async def register_parallelism_config(body: RegisterParallelismConfigRequest) -> str:
+        """Record a rank's parallelism config."""
+        registry.register_parallelism_config(body.tp_rank, body.parallelism_config)
+        logger.info("registered parallelism config of tp rank %d", body.tp_rank)
+        return "OK"
+
+    @app.get("/get_transfer_engine_info", response_model=TransferEngineInfoResponse)
+    async def get_transfer_engine_info(rank: int) -> dict[str, Any]:
+        """``{"rank": N, "remote_instance_transfer_engine_info": [session_id, weights_info]}``."""
+        if rank < 0:
+            raise HTTPException(status_code=400, detail="Invalid rank parameter")
+        info = registry.transfer_engine_info(rank)
+        if info is None:
+            raise HTTPException(status_code=404, detail=f"No transfer engine info for rank {rank}")
+        return {"rank": rank, "remote_instance_transfer_engine_info": list(info)}
+
+    @app.get("/get_parallelism_config")
+    async def get_parallelism_config(rank: int) -> dict[str, Any]:
+        """The parallelism config dict rank `rank` registered."""
+        if rank < 0:
+            raise HTTPException(status_code=400, detail="Invalid rank parameter")
+        config = registry.parallelism_config(rank)
+        if config is None:
+            raise HTTPException(status_code=404, detail=f"No parallelism config for rank {rank}")
+        return config
+
+    return app

@@ -1,0 +1,128 @@
+"""`ServeConfig`: everything `weightsync serve` needs to start one rollout replica."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEVICES = ("cpu", "cuda")
+TRANSPORTS = ("mooncake", "cuda_ipc")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma", "auto")
+LOAD_FORMATS = ("safetensors", "dummy")
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig:
+    """One reference rollout replica: its model, parallelism, devices and endpoints.
+
+    Attributes:
+        model_path: HF checkpoint folder (config.json + safetensors; only config.json with
+            ``load_format="dummy"``).
+        tp_size: tensor-parallel ranks (one process each).
+        ep_size: expert-parallel size inside the TP group (MoE models).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL; rank r uses GPU ``base_gpu_id + r``).
+        base_gpu_id: the GPU of TP rank 0, as the process numbers GPUs (after
+            ``CUDA_VISIBLE_DEVICES``); ``cuda`` only.
+        dtype: parameter dtype name (``bfloat16``, ``float16``, ``float32``); ``None``: the
+            checkpoint's.
+        host: interface both HTTP servers bind to (loopback unless told otherwise).
+        port: main server port; 0 picks a free one.
+        bootstrap_port: engine-info bootstrap server port; 0 picks a free one.
+        api_key: bearer token required by every state-changing route; ``None``: no auth.
+        transport: ``mooncake`` (TCP / RDMA; GPU memory only with a CUDA build of Mooncake)
+            or ``cuda_ipc`` (trainers on the same host write into the GPUs over CUDA IPC;
+            needs ``device="cuda"``).
+        mooncake_protocol: ``tcp``, ``rdma`` or ``auto``.
+        weight_version: the label of the checkpoint's weights until the first update.
+        ready_file: where to write the chosen ports as JSON once serving.
+        num_threads: torch intra-op threads per rank.
+        collective_timeout_s: how long one collective of the TP group may wait.
+        log_level: ``debug``, ``info``, ``warning`` or ``error``.
+        load_format: ``safetensors`` (the checkpoint's weights) or ``dummy`` (seeded
+            synthetic weights, `weightsync.engine.synthetic`, generated on each rank's device).
+        seed: the seed of ``dummy`` weights.
+
+    Raises:
+        ValueError: a value out of range or not one of the choices.
+    """
+
+    model_path: str
+    tp_size: int = 1
+    ep_size: int = 1
+    device: str = "cpu"
+    base_gpu_id: int = 0
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    bootstrap_port: int = 6789
+    api_key: str | None = None
+    transport: str = "mooncake"
+    mooncake_protocol: str = "tcp"
+    weight_version: str = "default"
+    ready_file: str | None = None
+    num_threads: int = 1
+    collective_timeout_s: float = 600.0
+    log_level: str = "info"
+    load_format: str = "safetensors"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path must name a checkpoint folder")
+        for name in ("tp_size", "ep_size", "num_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
+        for name in ("port", "bootstrap_port"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value!r}")
+        if self.port and self.port == self.bootstrap_port:
+            raise ValueError(f"port and bootstrap_port must differ, both are {self.port}")
+        _choice("device", self.device, DEVICES)
+        _choice("transport", self.transport, TRANSPORTS)
+        if self.transport == "cuda_ipc" and self.device != "cuda":
+            raise ValueError("transport cuda_ipc writes GPU memory; it needs device cuda")
+        if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be a non-negative int, got {self.base_gpu_id!r}")
+        if self.base_gpu_id and self.device != "cuda":
+            raise ValueError("base_gpu_id picks GPUs; it needs device cuda")
+        _choice("mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
+        _choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.dtype is not None:
+            _choice("dtype", self.dtype, tuple(DTYPE_ALIASES))
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty; leave it out to disable auth")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
+            )
+
+    def gpu_id(self, tp_rank: int) -> int:
+        """The CUDA device index of TP rank `tp_rank` (``device="cuda"``)."""
+        return self.base_gpu_id + tp_rank
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-able dict; ``ServeConfig(**to_dict())`` is an equal config."""
+        return asdict(self)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,444 @@
+"""`ReplicaController`: the serving state of a reference replica and what each route does.
+
+It lives on rank 0's event loop and turns route calls into engine commands. Its state:
+
+- paused (``pause_generation`` .. ``continue_generation``): new generation requests are
+  refused (503); ``abort`` mode aborts the queued ones, the other modes hold them;
+- a weight-update session (``begin_weight_update`` .. ``end_weight_update``): generation is
+  refused (503) and queued requests are held, so no token comes from half-written weights;
+- released memory (``release_memory_occupation`` .. ``resume_memory_occupation``): allowed
+  only when paused or idle; generation is refused meanwhile. Parameters are never released:
+  they are registered with the transfer engine and never move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.control.models import (
+    DestroyWeightsUpdateGroupRequest,
+    GenerateRequest,
+    GenerateResponse,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedRequest,
+    WeightsCheckerRequest,
+)
+from weightsync.server.http import ControlError
+from weightsync.server.ranks.commands import (
+    CONFLICT,
+    INTERNAL,
+    INVALID,
+    REFUSED,
+    BeginUpdate,
+    CheckWeights,
+    Command,
+    DestroyWeightsUpdateGroup,
+    EndUpdate,
+    FlushCache,
+    Generate,
+    InitWeightsUpdateGroup,
+    SetWeightVersion,
+    UpdateWeightsFromDistributed,
+)
+from weightsync.server.ranks.driver import EngineDriver, EngineStoppedError
+from weightsync.server.replica_info import ReplicaInfo
+from weightsync.server.scheduler import GenerationQueue
+
+logger = logging.getLogger(__name__)
+
+_STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}
+# Tags of SGLang's memory saver. Parameter memory is registered with the transfer engine and
+# must never move, so "weights" cannot be released here.
+_RELEASABLE_TAGS = frozenset({"kv_cache", "cuda_graph"})
+_KNOWN_TAGS = _RELEASABLE_TAGS | {"weights"}
+
+
+class ReplicaController:
+    """The semantics of the main server's routes over an `EngineDriver`.
+
+    Every method raises `ControlError` (carrying the HTTP status to answer) when it refuses.
+
+    Args:
+        driver: rank 0's engine thread, started and ready.
+        info: the replica's static description.
+        weight_version: the label of the weights the replica starts with.
+    """
+
+    def __init__(self, driver: EngineDriver, *, info: ReplicaInfo, weight_version: str) -> None:
+        self._driver = driver
+        self.info = info
+        self._weight_version = weight_version
+        self._paused_mode: str | None = None
+        self._session = "closed"  # closed | opening | open | closing
+        self._released: set[str] = set()
+        self._stopping = False
+        self._queue = GenerationQueue(
+            run=self._generate_on_ranks,
+            blocked=self._refusal,
+            weight_version=lambda: self._weight_version,
+        )
+
+    def start(self) -> None:
+        """Start handing queued generation requests to the engine."""
+        self._queue.start()
+
+    async def stop(self) -> None:
+        """Refuse new work and abort the queued requests."""
+        self._stopping = True
+        await self._queue.stop("the server is shutting down")
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the replica serves (not shutting down, engine alive)."""
+        return not self._stopping and not self._driver.stopped
+
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights the replica holds."""
+        return self._weight_version
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """Queue a generation request and return its tokens.
+
+        Raises:
+            ControlError: 503 while paused, in a weight-update session, with memory released
+                or shutting down; 400 for bad input; 500 if a rank failed.
+        """
+        refusal = self._refusal()
+        if refusal is not None:
+            raise ControlError(f"generation refused: {refusal}", status_code=503)
+        params = request.sampling_params
+        seed = params.sampling_seed
+        if seed is None and params.temperature > 0:
+            # Every rank must sample with the same seed; rank 0 draws it for all.
+            seed = secrets.randbits(63)
+        command = Generate(
+            input_ids=tuple(request.input_ids),
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            seed=seed,
+        )
+        return await self._queue.submit(command, rid=request.rid or uuid.uuid4().hex)
+
+    async def pause_generation(self, mode: str) -> str:
+        """Stop starting requests; ``abort`` also aborts the queued ones (``retract`` and
+        ``in_place`` hold them until `continue_generation`). Returns once none runs."""
+        self._paused_mode = mode
+        aborted = 0
+        if mode == "abort":
+            aborted = await self._queue.abort(lambda _: True, "aborted by pause_generation")
+        waited = await self._queue.wait_idle()
+        logger.info("generation paused (mode=%s): %d queued request(s) aborted", mode, aborted)
+        message = f"Generation paused (mode={mode}): {aborted} queued request(s) aborted"
+        if self._queue.num_queued:
+            message += f", {self._queue.num_queued} held until continue_generation"
+        if waited:
+            message += "; the running request finished first"
+        return message
+
+    async def continue_generation(self, torch_empty_cache: bool) -> str:
+        """Serve requests again (``torch_empty_cache``: return cached device memory first)."""
+        if torch_empty_cache:
+            await self._run(FlushCache(empty_device_cache=True))
+        self._paused_mode = None
+        await self._queue.notify()
+        logger.info("generation continued")
+        return "Generation continued"
+
+    async def abort_request(self, rid: str, abort_all: bool) -> str:
+        """Abort queued request `rid`, or every queued request."""
+        aborted = await self._queue.abort(
+            lambda queued: abort_all or queued == rid, "aborted by abort_request"
+        )
+        logger.info("abort_request(rid=%r, abort_all=%s): %d aborted", rid, abort_all, aborted)
+        message = f"{aborted} queued request(s) aborted"
+        running = self._queue.running_rid
+        if running is not None and (abort_all or running == rid):
+            message += "; the running request finishes (generation is not interruptible)"
+        return message
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None) -> str:
+        """Release KV-cache memory while idle; generation is refused until it is resumed.
+
+        Raises:
+            ControlError: 400 when requests are in flight and generation is not paused, for
+                the ``weights`` tag (parameters never move) and for unknown tags.
+        """
+        wanted = _tags(tags, default=_RELEASABLE_TAGS)
+        if "weights" in wanted:
+            raise ControlError(
+                "releasing 'weights' is not supported: parameter memory is registered with "
+                "the transfer engine and never moves (no memory saver / weight offload); "
+                "release ['kv_cache'] instead",
+                status_code=400,
+            )
+        busy = self._queue.num_queued + self._queue.num_running
+        if self._paused_mode is None and busy:
+            raise ControlError(
+                f"release_memory_occupation refused: the server is not idle ({busy} "
+                "request(s) in flight); call pause_generation first",
+                status_code=400,
+            )
+        self._released |= wanted
+        logger.info("released memory %s; generation refused until resumed", sorted(wanted))
+        return (
+            f"Released {sorted(wanted)}; the reference engine keeps no KV cache between "
+            "requests and its parameters stay registered in place"
+        )
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None) -> str:
+        """Take back what `release_memory_occupation` released."""
+        wanted = _tags(tags, default=_KNOWN_TAGS)
+        self._released -= wanted
+        await self._queue.notify()
+        logger.info("resumed memory %s", sorted(wanted))
+        return f"Resumed {sorted(wanted)}"
+
+    async def flush_cache(self) -> str:
+        """Drop cached state computed with old weights (the engine keeps no prefix cache)."""
+        await self._run(FlushCache(empty_device_cache=False))
+        return "Cache flushed"
+
+    async def begin_weight_update(self, selector: str) -> str:
+        """Open a weight-update session on every rank; generation stops until it ends.
+
+        Raises:
+            ControlError: 400 when a session is already open or `selector` is ``draft``.
+        """
+        if self._session != "closed":
+            raise ControlError(
+                f"a weight-update session is already {self._session}; call "
+                "end_weight_update before beginning another",
+                status_code=400,
+            )
+        self._session = "opening"
+        try:
+            await self._run(BeginUpdate(selector=selector))
+        except BaseException:
+            self._session = "closed"
+            await self._queue.notify()
+            raise
+        self._session = "open"
+        logger.info("weight-update session opened (selector=%s)", selector)
+        return f"Weight update session begun (selector={selector})"
+
+    async def end_weight_update(self) -> str:
+        """Run post-load processing and close the session; generation may resume.
+
+        Raises:
+            ControlError: 400 when no session is open.
+        """
+        if self._session != "open":
+            raise ControlError(
+                f"no weight-update session is open (session {self._session}); call "
+                "begin_weight_update first",
+                status_code=400,
+            )
+        self._session = "closing"
+        try:
+            await self._run(EndUpdate())
+        finally:
+            self._session = "closed"
+            await self._queue.notify()
+        logger.info("weight-update session ended (weight version %s)", self._weight_version)
+        return "Weight update session ended"
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool) -> str:
+        """Label the weights every rank holds (and abort queued requests if asked)."""
+        if abort_all_requests:
+            await self.abort_request("", abort_all=True)
+        await self._run(SetWeightVersion(version=new_version))
+        self._weight_version = new_version
+        logger.info("weight version is now %s", new_version)
+        return f"Weight version updated to {new_version}"
+
+    async def weights_checker(self, request: WeightsCheckerRequest) -> tuple[bool, str]:
+        """Run a checker action on every rank.
+
+        Returns:
+            ``(success, message)``: for ``compare``, the message lists every differing
+            parameter per rank; for ``checksum``, it is JSON ``{"ranks": [{"tp_rank",
+            "checksums": {name: {"sha256", "sum"}}}]}``.
+
+        Raises:
+            ControlError: 400 for the ``draft`` selector or a bad skip list.
+        """
+        if request.selector == "draft":
+            raise ControlError("this server has no draft model", status_code=400)
+        results = await self._run(
+            CheckWeights(
+                action=request.action,
+                allow_quant_error=request.allow_quant_error,
+                skip_tensor_list=tuple(request.skip_tensor_list),
+            )
+        )
+        success = all(r.success for r in results)
+        if request.action == "checksum":
+            ranks = [
+                {"tp_rank": rank, "checksums": r.details["checksums"]}
+                for rank, r in enumerate(results)
+            ]
+            return success, json.dumps({"ranks": ranks})
+        message = "\n".join(f"tp rank {rank}: {r.message}" for rank, r in enumerate(results))
+        log = logger.info if success else logger.warning
+        log("weights_checker %s: %s", request.action, message)
+        return success, message
+
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> str:
+        """Every rank joins the trainer's weights update group (the broadcast baseline);
+        returns once all members joined.
+
+        Raises:
+            ControlError: 400 for a group that exists, a rank that does not fit, or a backend
+                that cannot carry this replica's tensors; 500 when the rendezvous failed.
+        """
+        # Checked here, for every rank at once: a rank that joined the rendezvous while
+        # another refused would wait out the whole timeout.
+        args = self.info.server_args()
+        last = request.rank_offset + args["tp_size"] - 1
+        if last >= request.world_size:
+            raise ControlError(
+                f"rank_offset={request.rank_offset} puts this replica's {args['tp_size']} ranks "
+                f"at ranks {request.rank_offset}..{last} of a group of {request.world_size}",
+                status_code=400,
+            )
+        expected = "nccl" if args["device"] == "cuda" else "gloo"
+        if request.backend != expected:
+            raise ControlError(
+                f"backend {request.backend!r} cannot carry {args['device']} tensors; this "
+                f"replica needs backend {expected!r}",
+                status_code=400,
+            )
+        ranks = await self._run(
+            InitWeightsUpdateGroup(
+                master_address=request.master_address,
+                master_port=request.master_port,
+                rank_offset=request.rank_offset,
+                world_size=request.world_size,
+                group_name=request.group_name,
+                backend=request.backend,
+            )
+        )
+        logger.info("joined weights update group %s as ranks %s", request.group_name, ranks)
+        return (
+            f"Joined weights update group {request.group_name} as ranks {ranks} of "
+            f"{request.world_size}"
+        )
+
+    async def update_weights_from_distributed(
+        self, request: UpdateWeightsFromDistributedRequest
+    ) -> str:
+        """Receive one broadcast of HF tensors on every rank and load it; then the optional
+        cache flush and weight version.
+
+        Generation is not refused here (SGLang's semantics: one request is atomic with
+        respect to generation, since commands run one at a time); an update spread over
+        several requests belongs inside a weight-update session, or a pause.
+
+        Raises:
+            ControlError: 400 for an unknown group or bad metadata; 500 when the broadcast
+                failed (the replica then holds partly written weights).
+        """
+        if request.abort_all_requests:
+            await self.abort_request("", abort_all=True)
+        stats = await self._run(
+            UpdateWeightsFromDistributed(
+                names=tuple(request.names),
+                dtypes=tuple(request.dtypes),
+                shapes=tuple(tuple(shape) for shape in request.shapes),
+                group_name=request.group_name,
+                load_format=request.load_format,
+            )
+        )
+        if request.flush_cache:
+            await self._run(FlushCache(empty_device_cache=False))
+        if request.weight_version is not None:
+            await self._run(SetWeightVersion(version=request.weight_version))
+            self._weight_version = request.weight_version
+        slowest = max(stats, key=lambda s: s.receive_s + s.load_s)
+        logger.info(
+            "received %d tensors (%d bytes): receive %.3f s, load %.3f s (slowest rank)",
+            slowest.num_tensors,
+            slowest.num_bytes,
+            slowest.receive_s,
+            slowest.load_s,
+        )
+        return (
+            f"Updated {slowest.num_tensors} tensors ({slowest.num_bytes} bytes) from "
+            f"{request.group_name}: receive {slowest.receive_s:.3f} s, load "
+            f"{slowest.load_s:.3f} s (slowest rank)"
+        )
+
+    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> str:
+        """Every rank leaves the group.
+
+        Raises:
+            ControlError: 400 when no such group exists.
+        """
+        await self._run(DestroyWeightsUpdateGroup(group_name=request.group_name))
+        logger.info("left weights update group %s", request.group_name)
+        return f"Destroyed weights update group {request.group_name}"
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's arguments, state and version (``GET /server_info``)."""
+        return {
+            **self.info.server_args(),
+            "weight_version": self._weight_version,
+            "state": {
+                "paused": self._paused_mode is not None,
+                "pause_mode": self._paused_mode,
+                "weight_update_session": self._session,
+                "memory_released": sorted(self._released),
+                "num_running_requests": self._queue.num_running,
+                "num_queued_requests": self._queue.num_queued,
+                "engine_command": self._driver.current_command,
+            },
+        }
+
+    def _refusal(self) -> str | None:
+        """Why generation may not run now, or ``None``."""
+        if self._stopping or self._driver.stopped:
+            return "the server is shutting down"
+        if self._session != "closed":
+            return "a weight-update session is open; generation resumes after end_weight_update"
+        if self._paused_mode is not None:
+            return "generation is paused (pause_generation); call continue_generation"
+        if self._released:
+            return f"memory {sorted(self._released)} is released; call resume_memory_occupation"
+        return None
+
+    async def _generate_on_ranks(self, command: Generate) -> dict[str, Any]:
+        (value, *_) = await self._run(command)
+        return value
+
+    async def _run(self, command: Command) -> list[Any]:
+        """Run `command` on every rank; return each rank's value, or raise the failure."""
+        try:
+            replies = await asyncio.wrap_future(self._driver.submit(command))
+        except EngineStoppedError as exc:
+            raise ControlError(f"the engine is not running: {exc}", status_code=503) from exc
+        failed = [r for r in replies if not r.ok]
+        if not failed:
+            return [r.value for r in replies]
+        if len({r.error for r in failed}) == 1 and len(failed) == len(replies):
+            message = failed[0].error or ""
+        else:
+            message = "; ".join(f"tp rank {r.tp_rank}: {r.error}" for r in failed)
+        raise ControlError(message, status_code=_STATUS_OF_KIND.get(failed[0].error_kind, 500))
+
+
+def _tags(tags: Sequence[str] | None, *, default: frozenset[str]) -> set[str]:
+    wanted = set(default if tags is None else tags)
+    unknown = wanted - _KNOWN_TAGS
+    if unknown:
+        raise ControlError(
+            f"unknown memory tags {sorted(unknown)}; known: {sorted(_KNOWN_TAGS)}",
+            status_code=400,
+        )
+    return wanted

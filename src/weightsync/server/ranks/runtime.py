@@ -1,0 +1,294 @@
+"""`RankRuntime`: one TP rank of the reference engine: model, transport, agent, commands."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.baseline.receiver.receiver import BroadcastReceiver
+from weightsync.checkpoint import load_config_dict
+from weightsync.engine import ReferenceModel, generate
+from weightsync.engine.synthetic import synthetic_hf_tensors
+from weightsync.layout import model_dtype
+from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.receiver.agent import RolloutAgent, UpdateSessionError
+from weightsync.receiver.loader import load_hf_tensors
+from weightsync.server.config import ServeConfig
+from weightsync.server.ranks.commands import (
+    CONFLICT,
+    INTERNAL,
+    INVALID,
+    REFUSED,
+    BeginUpdate,
+    CheckWeights,
+    Command,
+    DestroyWeightsUpdateGroup,
+    EndUpdate,
+    FlushCache,
+    Generate,
+    InitWeightsUpdateGroup,
+    RankInfo,
+    RankReply,
+    SetWeightVersion,
+    Shutdown,
+    UpdateWeightsFromDistributed,
+)
+from weightsync.torch_dtypes import dtype_name
+from weightsync.transport import CudaIpcConfig, MooncakeConfig, Transport, open_transport
+
+logger = logging.getLogger(__name__)
+
+
+def rank_transport(config: ServeConfig, device: torch.device) -> Transport:
+    """The transport a rank registers its parameters with: Mooncake, or CUDA IPC on the
+    rank's own GPU. Its session id is published the same way for both.
+
+    Raises:
+        ValueError: the transport cannot reach memory on `device` (a Mooncake build without
+            CUDA, asked for GPU memory).
+    """
+    if config.transport == "cuda_ipc":
+        index = device.index if device.index is not None else 0
+        return open_transport(CudaIpcConfig(device=index))
+    transport = open_transport(MooncakeConfig(protocol=config.mooncake_protocol))
+    if not transport.supports_device(device):
+        transport.close()
+        raise ValueError(
+            f"this Mooncake build cannot reach {device} memory: serve with --device cpu, "
+            "--transport cuda_ipc (trainer on the same host), or install a CUDA build of "
+            "Mooncake (mooncake-transfer-engine)"
+        )
+    return transport
+
+
+class GenerationRefusedError(RuntimeError):
+    """Generation was asked for while a weight-update session is open."""
+
+
+class RankRuntime:
+    """Everything one rank of a reference replica owns, and how it executes commands.
+
+    Built by `start` on every rank (rank 0 in its driver thread, the others in their own
+    processes), after the replica's process group exists. Its memory is registered once; the
+    parameters never move or get freed while it lives (there is no weight offload).
+
+    Args:
+        tp_rank: this rank.
+        model: the loaded model.
+        transport: the rank's transport, owned by the runtime (closed by `close`).
+        agent: the rank's agent over the model's parameters.
+        collective_timeout_s: how long a broadcast-baseline rendezvous or broadcast may wait.
+    """
+
+    def __init__(
+        self,
+        *,
+        tp_rank: int,
+        model: ReferenceModel,
+        transport: Transport,
+        agent: RolloutAgent,
+        collective_timeout_s: float = 600.0,
+    ) -> None:
+        self.tp_rank = tp_rank
+        self.model = model
+        self.transport = transport
+        self.agent = agent
+        self.receiver = BroadcastReceiver(
+            params=dict(model.named_parameters()),
+            hf_config=model.hf_config,
+            parallelism=model.parallelism,
+            device=model.device,
+            timeout_s=collective_timeout_s,
+        )
+
+    @classmethod
+    def start(
+        cls,
+        config: ServeConfig,
+        *,
+        tp_rank: int,
+        bootstrap_url: str,
+        group: dist.ProcessGroup | None,
+    ) -> RankRuntime:
+        """Build the rank's model, load the checkpoint, register its memory with a new
+        transport and publish the rank to the bootstrap server.
+
+        Args:
+            config: the replica's config.
+            tp_rank: this rank.
+            bootstrap_url: the replica's bootstrap server.
+            group: the TP process group (``None`` at ``tp_size == 1``).
+        """
+        hf_config = load_config_dict(config.model_path)
+        parallelism = ParallelismConfig(
+            tp_size=config.tp_size, tp_rank=tp_rank, ep_size=config.ep_size
+        )
+        device = f"cuda:{config.gpu_id(tp_rank)}" if config.device == "cuda" else "cpu"
+        dtype = config.dtype or model_dtype(hf_config)
+        logger.info("building %s model (dtype %s) on %s", hf_config["model_type"], dtype, device)
+        model = ReferenceModel(hf_config, parallelism, dtype=dtype, device=device, group=group)
+        if config.load_format == "dummy":
+            # Seeded synthetic weights, tensor by tensor: the bytes a trainer generating with
+            # the same seed holds, without a checkpoint file.
+            load_hf_tensors(
+                dict(model.named_parameters()),
+                synthetic_hf_tensors(hf_config, seed=config.seed, dtype=dtype, device=device),
+                hf_config,
+                parallelism,
+                dtype,
+            )
+            source = f"synthetic weights (seed {config.seed})"
+        else:
+            model.load_checkpoint(config.model_path)
+            source = config.model_path
+        model.eval()
+        if model.device.type == "cuda":
+            # Trainers write into these parameters from other processes (CUDA IPC) once the
+            # rank is published: the loading kernels must be done before then.
+            torch.cuda.synchronize(model.device)
+        num_bytes = sum(p.nbytes for p in model.parameters())
+        logger.info("loaded %s: %.1f MB of parameters", source, num_bytes / 1e6)
+        transport = rank_transport(config, model.device)
+        try:
+            agent = RolloutAgent(
+                params=dict(model.named_parameters()),
+                parallelism=parallelism,
+                transport=transport,
+                weight_version=config.weight_version,
+            )
+        except BaseException:
+            transport.close()
+            raise
+        runtime = cls(
+            tp_rank=tp_rank,
+            model=model,
+            transport=transport,
+            agent=agent,
+            collective_timeout_s=config.collective_timeout_s,
+        )
+        try:
+            agent.publish(bootstrap_url, api_key=config.api_key)
+        except BaseException:
+            runtime.close()
+            raise
+        logger.info(
+            "registered %d parameters in %d region(s) with transfer engine %s; published to %s",
+            len(agent.weights_info()),
+            agent.registered_regions,
+            agent.session_id,
+            bootstrap_url,
+        )
+        return runtime
+
+    def info(self) -> RankInfo:
+        """What rank 0 needs to answer the main server's per-rank routes."""
+        return RankInfo(
+            tp_rank=self.tp_rank,
+            session_id=self.agent.session_id,
+            weights_info=self.agent.weights_info(),
+            parallelism=self.agent.parallelism.to_dict(),
+            device=str(self.model.device),
+            dtype=dtype_name(self.model.dtype),
+        )
+
+    def execute(self, command: Command) -> RankReply:
+        """Run one command on this rank; failures become an error reply, never an exception,
+        so every rank always reaches the reply gather."""
+        try:
+            value = self._dispatch(command)
+        except GenerationRefusedError as exc:
+            return self._error(REFUSED, exc)
+        except UpdateSessionError as exc:
+            return self._error(CONFLICT, exc)
+        except ValueError as exc:
+            return self._error(INVALID, exc)
+        except Exception as exc:
+            logger.exception("%s failed", type(command).__name__)
+            return self._error(INTERNAL, exc)
+        return RankReply(tp_rank=self.tp_rank, value=value)
+
+    def close(self) -> None:
+        """Leave any weights update group, unregister the parameters' memory and close the
+        transport."""
+        try:
+            self.receiver.close()
+            self.agent.close()
+        finally:
+            self.transport.close()
+
+    def _dispatch(self, command: Command) -> Any:
+        match command:
+            case Generate():
+                # Checked on every rank, in command order, so no token is ever generated
+                # from half-written weights even if the request raced with begin.
+                if self.agent.session_open:
+                    raise GenerationRefusedError(
+                        "a weight-update session is open; generation resumes after "
+                        "end_weight_update"
+                    )
+                output_ids = generate(
+                    self.model,
+                    list(command.input_ids),
+                    max_new_tokens=command.max_new_tokens,
+                    temperature=command.temperature,
+                    seed=command.seed,
+                )
+                return {"output_ids": output_ids, "weight_version": self.agent.weight_version}
+            case BeginUpdate(selector=selector):
+                self.agent.begin_update(selector)  # type: ignore[arg-type]
+                return None
+            case EndUpdate():
+                self.agent.end_update()
+                return None
+            case SetWeightVersion(version=version):
+                self.agent.set_weight_version(version)
+                return None
+            case CheckWeights():
+                return self.agent.weights_checker(
+                    command.action,
+                    allow_quant_error=command.allow_quant_error,
+                    skip_tensor_list=command.skip_tensor_list,
+                )
+            case FlushCache(empty_device_cache=empty_device_cache):
+                # The engine keeps no prefix cache across requests (each request's KV cache
+                # is its own); what remains is returning cached allocator memory. No
+                # gc.collect(): it costs ~0.2 s with torch loaded, on every sync's resume.
+                if empty_device_cache and self.model.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return None
+            case InitWeightsUpdateGroup():
+                return self.receiver.init_group(
+                    master_address=command.master_address,
+                    master_port=command.master_port,
+                    rank_offset=command.rank_offset,
+                    world_size=command.world_size,
+                    group_name=command.group_name,
+                    backend=command.backend,
+                )
+            case UpdateWeightsFromDistributed():
+                stats = self.receiver.receive(
+                    names=command.names,
+                    dtypes=command.dtypes,
+                    shapes=command.shapes,
+                    group_name=command.group_name,
+                    load_format=command.load_format,
+                )
+                if self.model.device.type == "cuda":
+                    # The reply says the bucket is loaded: the copies queued on the stream
+                    # must have run, not only been queued.
+                    torch.cuda.synchronize(self.model.device)
+                return stats
+            case DestroyWeightsUpdateGroup(group_name=group_name):
+                self.receiver.destroy_group(group_name)
+                return None
+            case Shutdown():
+                return None
+        raise ValueError(f"unknown command {command!r}")
+
+    def _error(self, kind: str, exc: BaseException) -> RankReply:
+        return RankReply(
+            tp_rank=self.tp_rank, error=str(exc) or type(exc).__name__, error_kind=kind
+        )

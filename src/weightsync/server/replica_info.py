@@ -1,0 +1,83 @@
+"""`ReplicaInfo`: what a replica tells about itself that does not change while it serves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync import __version__
+from weightsync.server.config import ServeConfig
+from weightsync.server.http import ControlError
+from weightsync.server.ranks.commands import RankInfo
+
+
+class ReplicaInfo:
+    """Server arguments and every rank's transfer-engine info and parallelism config.
+
+    Args:
+        config: the replica's config.
+        ranks: every rank's info, by TP rank (collected once all ranks serve).
+        port: the main server's bound port.
+        bootstrap_port: the bootstrap server's bound port.
+    """
+
+    def __init__(
+        self, config: ServeConfig, *, ranks: Sequence[RankInfo], port: int, bootstrap_port: int
+    ) -> None:
+        self._config = config
+        self._ranks = list(ranks)
+        self._port = port
+        self._bootstrap_port = bootstrap_port
+
+    def server_args(self) -> dict[str, Any]:
+        """The ``/server_info`` fields that describe how the server runs."""
+        config = self._config
+        return {
+            "model_path": config.model_path,
+            "tp_size": config.tp_size,
+            "pp_size": 1,
+            "ep_size": config.ep_size,
+            "dtype": self._ranks[0].dtype,
+            "device": config.device,
+            "host": config.host,
+            "port": self._port,
+            "engine_info_bootstrap_port": self._bootstrap_port,
+            "transport": config.transport,
+            "mooncake_protocol": config.mooncake_protocol,
+            "api_key_required": config.api_key is not None,
+            "version": __version__,
+        }
+
+    def transfer_engine_info(self, rank: int | None) -> dict[str, Any]:
+        """``{"rank", "remote_instance_transfer_engine_info": [session_id, weights_info]}``.
+
+        Raises:
+            ControlError: 400 for a missing or unknown rank.
+        """
+        if rank is None or not 0 <= rank < len(self._ranks):
+            raise ControlError(
+                f"Missing or invalid rank parameter {rank!r}: this replica has ranks "
+                f"0..{len(self._ranks) - 1}",
+                status_code=400,
+            )
+        info = self._ranks[rank]
+        return {
+            "rank": rank,
+            "remote_instance_transfer_engine_info": [info.session_id, info.weights_info],
+        }
+
+    def parallelism_config(self, rank: int) -> dict[str, int]:
+        """Rank `rank`'s parallelism config.
+
+        Raises:
+            ControlError: 400 for a negative rank, 404 for a rank the replica does not have.
+        """
+        if rank < 0:
+            raise ControlError(f"Invalid rank parameter {rank}", status_code=400)
+        if rank >= len(self._ranks):
+            raise ControlError(
+                f"No parallelism config for rank {rank}: this replica has "
+                f"{len(self._ranks)} rank(s)",
+                status_code=404,
+            )
+        return dict(self._ranks[rank].parallelism)

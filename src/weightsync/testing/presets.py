@@ -1,0 +1,194 @@
+"""Model presets and small HF checkpoints with random weights, for the demo, tests and benches.
+
+No model can be downloaded where weightsync is tested, so every model it runs is built from a
+transformers config with random initialisation and saved as safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Configs by name. "tiny" models run a forward pass in milliseconds on one CPU core; "small"
+# is large enough that a sync moves tens of megabytes; the rest are benchmark workloads.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model_type": "qwen3",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
+    "small": {
+        "model_type": "qwen3",
+        "vocab_size": 8000,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
+    # Benchmark workloads (qwen3 dense, qwen3_moe MoE shapes; sizes for bf16). Too large to
+    # build as transformers models on a CPU: benchmarks use seeded synthetic tensors.
+    # ~0.27 GB: a quick CPU run.
+    "dense-256m": {
+        "model_type": "qwen3",
+        "vocab_size": 16000,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    },
+    # ~1.07 GB: the CPU target of the benchmark.
+    "dense-1g": {
+        "model_type": "qwen3",
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 9,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+    },
+    # ~16.4 GB: an 8B dense model (GPU).
+    "dense-8b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    # ~65.5 GB: Qwen3-32B's shapes, a 32B dense model (GPU).
+    "dense-32b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    # ~0.3 GB MoE with many small experts: per-tensor loading shows on CPU.
+    "moe-small": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 16000,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 64,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    # ~61 GB: Qwen3-30B-A3B's shapes (GPU).
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+# The presets small enough for `weightsync demo` to build, train and serve on a CPU.
+DEMO_PRESETS: tuple[str, ...] = ("tiny", "small", "tiny-moe")
+
+
+def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """A config.json dict for a named preset (see `PRESET_NAMES`), with overrides.
+
+    Raises:
+        ValueError: the name is not a preset.
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(_PRESETS)}")
+    return {**_PRESETS[name], **overrides}
+
+
+def build_hf_config(config: dict[str, Any]):
+    """A transformers config object from a config.json dict (its `model_type` picks the class)."""
+    from transformers import AutoConfig
+
+    data = dict(config)
+    model_type = data.pop("model_type")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def random_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A transformers causal-LM with random weights for `config` (a config.json dict)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = build_hf_config(config)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    # transformers initialises some weights (norms) to constants; perturb them so a wrong
+    # mapping between two norms cannot go unnoticed.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    config: dict[str, Any],
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Path:
+    """Write a random-init HF checkpoint (config.json + safetensors) to `path` and return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = random_model(config, dtype=dtype, seed=seed)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,28 @@
+"""Between weightsync's dtype names (`weightsync.layout.dtypes`) and torch dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.layout.dtypes import canonical_dtype_name
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a dtype name, alias or torch dtype (``"bf16"`` -> ``torch.bfloat16``).
+
+    Raises:
+        ValueError: not a dtype weightsync moves.
+    """
+    if isinstance(dtype, torch.dtype):
+        canonical_dtype_name(dtype)
+        return dtype
+    return getattr(torch, canonical_dtype_name(dtype))
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The name of a torch dtype without the prefix (``torch.bfloat16`` -> ``"bfloat16"``).
+
+    Raises:
+        ValueError: not a dtype weightsync moves.
+    """
+    return canonical_dtype_name(dtype)
