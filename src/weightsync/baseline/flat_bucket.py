@@ -18,6 +18,10 @@ from weightsync.layout import DTYPE_SIZES
 from weightsync.layout.dtypes import canonical_dtype_name
 from weightsync.torch_dtypes import torch_dtype
 
+# The `load_format` of ``update_weights_from_distributed`` that sends one flattened buffer per
+# bucket (SGLang's name); ``None`` sends one broadcast per tensor.
+FLATTENED_BUCKET = "flattened_bucket"
+
 # Every tensor starts on a 64-byte boundary: aligned for any element size and for
 # vectorised copies.
 FLAT_ALIGN_BYTES = 64

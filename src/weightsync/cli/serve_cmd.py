@@ -12,6 +12,9 @@ from weightsync.server.config import ServeConfig
 
 # Exit code for bad command-line input, as click uses for usage errors.
 _USAGE_ERROR = 2
+# What `weightsync serve` serves beyond PROTOCOL.md: the broadcast baseline's routes, so that
+# the benchmarks can compare against it on the same replicas.
+SERVER_EXTENSIONS = ("weightsync.baseline.receiver.extension",)
 
 
 def serve(
@@ -116,6 +119,7 @@ def serve(
             log_level=log_level,
             load_format=load_format,
             seed=seed,
+            extensions=SERVER_EXTENSIONS,
         )
     except ValueError as exc:
         typer.echo(f"weightsync serve: {exc}", err=True)

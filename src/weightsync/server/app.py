@@ -1,6 +1,6 @@
-"""The main HTTP server of a reference replica: every route of PROTOCOL.md, and SGLang's
-routes of the broadcast baseline (``init_weights_update_group``,
-``update_weights_from_distributed``, ``destroy_weights_update_group``).
+"""The main HTTP server of a reference replica: every route of PROTOCOL.md, and the routes
+of the server extensions it was given (`weightsync.server.extensions`; the broadcast
+baseline's ``init_weights_update_group`` and its kin come that way).
 
 Status codes: 200 success; 400 a call that contradicts the state or bad input (begin while a
 session is open, end without one, a failed weights check, release while busy, an unknown
@@ -16,22 +16,20 @@ await its futures, so ``/health`` answers during a long generation or weights ch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 
 from weightsync import __version__
 from weightsync.control.models import (
     AbortRequestRequest,
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
-    DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
-    ErrorResponse,
     GenerateRequest,
     GenerateResponse,
-    InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
     ParallelismConfigModel,
     PauseGenerationRequest,
@@ -39,39 +37,35 @@ from weightsync.control.models import (
     StatusResponse,
     SuccessResponse,
     TransferEngineInfoResponse,
-    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
     WeightsCheckerRequest,
     WeightVersionResponse,
 )
 from weightsync.server.controller import ReplicaController
+from weightsync.server.extensions import ServerExtension
 from weightsync.server.http import (
-    ERROR_RESPONSES,
+    SUCCESS_400,
     ControlError,
     bearer_auth,
     error_response,
+    error_responses,
     install_error_handler,
+    success_body,
+    success_reply,
 )
 
 
-def _errors(*codes: int, auth: bool = True) -> dict[int | str, dict[str, Any]]:
-    responses: dict[int | str, dict[str, Any]] = dict(ERROR_RESPONSES) if auth else {}
-    for code in codes:
-        responses[code] = {"model": ErrorResponse}
-    return responses
-
-
-def _success_reply(success: bool, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse(
-        {"success": success, "message": message, **extra}, status_code=200 if success else 400
-    )
-
-
-def create_main_app(controller: ReplicaController, *, api_key: str | None = None) -> FastAPI:
+def create_main_app(
+    controller: ReplicaController,
+    *,
+    api_key: str | None = None,
+    extensions: Sequence[ServerExtension] = (),
+) -> FastAPI:
     """The main server's app over `controller`; see the module docstring for status codes.
 
-    With `api_key`, every POST route needs ``Authorization: Bearer <api_key>``.
+    With `api_key`, every POST route needs ``Authorization: Bearer <api_key>``. Each of
+    `extensions` adds its routes.
     """
     app = FastAPI(
         title="weightsync reference rollout server",
@@ -81,7 +75,9 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
     install_error_handler(app)
     authorized = [Depends(bearer_auth(api_key))]
 
-    @app.get("/health", response_class=PlainTextResponse, responses=_errors(503, auth=False))
+    @app.get(
+        "/health", response_class=PlainTextResponse, responses=error_responses(503, auth=False)
+    )
     async def health() -> Any:
         """200 ``OK`` while the replica serves; 503 while it shuts down."""
         if not controller.healthy:
@@ -97,12 +93,12 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
     @app.get(
         "/remote_instance_transfer_engine_info",
         response_model=TransferEngineInfoResponse,
-        responses=_errors(400, auth=False),
+        responses=error_responses(400, auth=False),
     )
     @app.get(
         "/get_remote_instance_transfer_engine_info",
         response_model=TransferEngineInfoResponse,
-        responses=_errors(400, auth=False),
+        responses=error_responses(400, auth=False),
     )
     async def remote_instance_transfer_engine_info(rank: int | None = None) -> dict[str, Any]:
         """``[session_id, weights_info]`` of one rank; 400 for a missing or unknown rank."""
@@ -111,7 +107,7 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
     @app.get(
         "/parallelism_config",
         response_model=ParallelismConfigModel,
-        responses=_errors(400, 404, auth=False),
+        responses=error_responses(400, 404, auth=False),
     )
     async def parallelism_config(rank: int) -> dict[str, int]:
         """The parallelism config dict of one rank."""
@@ -121,7 +117,7 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         "/pause_generation",
         response_model=StatusResponse,
         dependencies=authorized,
-        responses=_errors(),
+        responses=error_responses(),
     )
     async def pause_generation(body: PauseGenerationRequest | None = None) -> dict[str, str]:
         """Stop starting requests (``abort`` drops queued ones); returns when none runs."""
@@ -132,7 +128,7 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         "/continue_generation",
         response_model=StatusResponse,
         dependencies=authorized,
-        responses=_errors(),
+        responses=error_responses(),
     )
     async def continue_generation(
         body: ContinueGenerationRequest | None = None,
@@ -146,7 +142,7 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         "/abort_request",
         response_model=StatusResponse,
         dependencies=authorized,
-        responses=_errors(),
+        responses=error_responses(),
     )
     async def abort_request(body: AbortRequestRequest | None = None) -> dict[str, str]:
         """Abort queued request ``rid``, or every queued request."""
@@ -158,7 +154,7 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         "/release_memory_occupation",
         response_model=StatusResponse,
         dependencies=authorized,
-        responses=_errors(400),
+        responses=error_responses(400),
     )
     async def release_memory_occupation(
         body: MemoryOccupationRequest | None = None,
@@ -172,7 +168,7 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         "/resume_memory_occupation",
         response_model=StatusResponse,
         dependencies=authorized,
-        responses=_errors(400),
+        responses=error_responses(400),
     )
     async def resume_memory_occupation(
         body: MemoryOccupationRequest | None = None,
@@ -183,7 +179,10 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         return {"status": "ok", "message": message}
 
     @app.post(
-        "/flush_cache", response_model=StatusResponse, dependencies=authorized, responses=_errors()
+        "/flush_cache",
+        response_model=StatusResponse,
+        dependencies=authorized,
+        responses=error_responses(),
     )
     async def flush_cache() -> dict[str, str]:
         """Drop caches computed with the old weights."""
@@ -193,50 +192,35 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         "/begin_weight_update",
         response_model=SuccessResponse,
         dependencies=authorized,
-        responses={**_errors(), 400: {"model": SuccessResponse}},
+        responses={**error_responses(), **SUCCESS_400},
     )
     async def begin_weight_update(body: BeginWeightUpdateRequest | None = None) -> Any:
         """Open a weight-update session; 400 if one is already open."""
         body = body or BeginWeightUpdateRequest()
-        try:
-            return _success_reply(True, await controller.begin_weight_update(body.selector))
-        except ControlError as exc:
-            if exc.status_code != 400:
-                raise
-            return _success_reply(False, str(exc))
+        return await success_reply(controller.begin_weight_update(body.selector))
 
     @app.post(
         "/end_weight_update",
         response_model=SuccessResponse,
         dependencies=authorized,
-        responses={**_errors(), 400: {"model": SuccessResponse}},
+        responses={**error_responses(), **SUCCESS_400},
     )
     async def end_weight_update(body: EndWeightUpdateRequest | None = None) -> Any:
         """Run post-load processing and close the session; 400 if none is open."""
-        try:
-            return _success_reply(True, await controller.end_weight_update())
-        except ControlError as exc:
-            if exc.status_code != 400:
-                raise
-            return _success_reply(False, str(exc))
+        return await success_reply(controller.end_weight_update())
 
     @app.post(
         "/update_weight_version",
         response_model=UpdateWeightVersionResponse,
         dependencies=authorized,
-        responses={**_errors(), 400: {"model": SuccessResponse}},
+        responses={**error_responses(), **SUCCESS_400},
     )
     async def update_weight_version(body: UpdateWeightVersionRequest) -> Any:
         """Label the weights the replica now holds."""
-        try:
-            message = await controller.update_weight_version(
-                body.new_version, body.abort_all_requests
-            )
-        except ControlError as exc:
-            if exc.status_code != 400:
-                raise
-            return _success_reply(False, str(exc))
-        return _success_reply(True, message, new_version=body.new_version)
+        return await success_reply(
+            controller.update_weight_version(body.new_version, body.abort_all_requests),
+            new_version=body.new_version,
+        )
 
     @app.get("/get_weight_version", response_model=WeightVersionResponse)
     async def get_weight_version() -> dict[str, str]:
@@ -247,7 +231,7 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         "/weights_checker",
         response_model=SuccessResponse,
         dependencies=authorized,
-        responses={**_errors(), 400: {"model": SuccessResponse}},
+        responses={**error_responses(), **SUCCESS_400},
     )
     async def weights_checker(body: WeightsCheckerRequest) -> Any:
         """snapshot / reset_tensors / compare / checksum; 400 with the per-parameter report
@@ -257,69 +241,19 @@ def create_main_app(controller: ReplicaController, *, api_key: str | None = None
         except ControlError as exc:
             if exc.status_code != 400:
                 raise
-            return _success_reply(False, str(exc))
-        return _success_reply(success, message)
-
-    @app.post(
-        "/init_weights_update_group",
-        response_model=SuccessResponse,
-        dependencies=authorized,
-        responses={**_errors(500), 400: {"model": SuccessResponse}},
-    )
-    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> Any:
-        """Join the trainer's torch.distributed group for broadcast updates (each rank as
-        ``rank_offset + tp_rank``); answers once every member joined. 400 for a group that
-        exists, a rank that does not fit, or a backend that cannot carry the replica's
-        tensors."""
-        try:
-            return _success_reply(True, await controller.init_weights_update_group(body))
-        except ControlError as exc:
-            if exc.status_code != 400:
-                raise
-            return _success_reply(False, str(exc))
-
-    @app.post(
-        "/update_weights_from_distributed",
-        response_model=SuccessResponse,
-        dependencies=authorized,
-        responses={**_errors(500), 400: {"model": SuccessResponse}},
-    )
-    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest) -> Any:
-        """Receive HF tensors broadcast by the trainer and load them; 400 for an unknown group
-        or tensors that are not the model's, 500 when the broadcast failed."""
-        try:
-            return _success_reply(True, await controller.update_weights_from_distributed(body))
-        except ControlError as exc:
-            if exc.status_code != 400:
-                raise
-            return _success_reply(False, str(exc))
-
-    @app.post(
-        "/destroy_weights_update_group",
-        response_model=SuccessResponse,
-        dependencies=authorized,
-        responses={**_errors(), 400: {"model": SuccessResponse}},
-    )
-    async def destroy_weights_update_group(
-        body: DestroyWeightsUpdateGroupRequest | None = None,
-    ) -> Any:
-        """Leave a weights update group; 400 when there is no such group."""
-        body = body or DestroyWeightsUpdateGroupRequest()
-        try:
-            return _success_reply(True, await controller.destroy_weights_update_group(body))
-        except ControlError as exc:
-            if exc.status_code != 400:
-                raise
-            return _success_reply(False, str(exc))
+            return success_body(False, str(exc))
+        return success_body(success, message)
 
     @app.post(
         "/generate",
         response_model=GenerateResponse,
         dependencies=authorized,
-        responses=_errors(400, 500, 503),
+        responses=error_responses(400, 500, 503),
     )
     async def generate(body: GenerateRequest) -> GenerateResponse:
         """Token ids in, new token ids out; 503 while paused or in a weight-update session."""
         return await controller.generate(body)
 
+    for extension in extensions:
+        extension.add_routes(app, controller, api_key=api_key)
     return app

@@ -5,20 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
+from weightsync.transport import TRANSPORTS
+from weightsync.transport.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
+
 DEVICES = ("cpu", "cuda")
-TRANSPORTS = ("mooncake", "cuda_ipc")
-MOONCAKE_PROTOCOLS = ("tcp", "rdma", "auto")
 LOAD_FORMATS = ("safetensors", "dummy")
-DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float32": "float32",
-    "float": "float32",
-}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# The dtypes a reference replica holds its parameters in, by canonical name.
+SERVED_DTYPES = tuple(canonical_dtype_name(choice) for choice in ROLLOUT_DTYPE_CHOICES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +46,8 @@ class ServeConfig:
         load_format: ``safetensors`` (the checkpoint's weights) or ``dummy`` (seeded
             synthetic weights, `weightsync.engine.synthetic`, generated on each rank's device).
         seed: the seed of ``dummy`` weights.
+        extensions: modules of server extensions to load (`weightsync.server.extensions`),
+            each adding routes and rank commands.
 
     Raises:
         ValueError: a value out of range or not one of the choices.
@@ -75,6 +72,7 @@ class ServeConfig:
     log_level: str = "info"
     load_format: str = "safetensors"
     seed: int = 0
+    extensions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -92,7 +90,7 @@ class ServeConfig:
         if self.port and self.port == self.bootstrap_port:
             raise ValueError(f"port and bootstrap_port must differ, both are {self.port}")
         _choice("device", self.device, DEVICES)
-        _choice("transport", self.transport, TRANSPORTS)
+        _choice("transport", self.transport, tuple(TRANSPORTS))
         if self.transport == "cuda_ipc" and self.device != "cuda":
             raise ValueError("transport cuda_ipc writes GPU memory; it needs device cuda")
         if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
@@ -100,15 +98,26 @@ class ServeConfig:
         if self.base_gpu_id and self.device != "cuda":
             raise ValueError("base_gpu_id picks GPUs; it needs device cuda")
         _choice("mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
-        _choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
+        _choice("log_level", self.log_level, LOG_LEVELS)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         if self.dtype is not None:
-            _choice("dtype", self.dtype, tuple(DTYPE_ALIASES))
-            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+            try:
+                dtype = canonical_dtype_name(self.dtype)
+            except ValueError:
+                dtype = None
+            if dtype not in SERVED_DTYPES:
+                raise ValueError(
+                    f"dtype must be one of {', '.join(ROLLOUT_DTYPE_CHOICES)} (or "
+                    f"{', '.join(SERVED_DTYPES)}); got {self.dtype!r}"
+                )
+            object.__setattr__(self, "dtype", dtype)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty; leave it out to disable auth")
+        object.__setattr__(self, "extensions", tuple(self.extensions))
+        if any(not isinstance(name, str) or not name for name in self.extensions):
+            raise ValueError(f"extensions must be module names, got {self.extensions!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"

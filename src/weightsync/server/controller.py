@@ -21,14 +21,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync.control.models import (
-    DestroyWeightsUpdateGroupRequest,
-    GenerateRequest,
-    GenerateResponse,
-    InitWeightsUpdateGroupRequest,
-    UpdateWeightsFromDistributedRequest,
-    WeightsCheckerRequest,
-)
+from weightsync.control.models import GenerateRequest, GenerateResponse, WeightsCheckerRequest
 from weightsync.server.http import ControlError
 from weightsync.server.ranks.commands import (
     CONFLICT,
@@ -38,13 +31,10 @@ from weightsync.server.ranks.commands import (
     BeginUpdate,
     CheckWeights,
     Command,
-    DestroyWeightsUpdateGroup,
     EndUpdate,
     FlushCache,
     Generate,
-    InitWeightsUpdateGroup,
     SetWeightVersion,
-    UpdateWeightsFromDistributed,
 )
 from weightsync.server.ranks.driver import EngineDriver, EngineStoppedError
 from weightsync.server.replica_info import ReplicaInfo
@@ -290,100 +280,22 @@ class ReplicaController:
         log("weights_checker %s: %s", request.action, message)
         return success, message
 
-    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> str:
-        """Every rank joins the trainer's weights update group (the broadcast baseline);
-        returns once all members joined.
+    async def run_command(self, command: Any) -> list[Any]:
+        """Run a server extension's `command` on every rank; each rank's value, by rank.
 
         Raises:
-            ControlError: 400 for a group that exists, a rank that does not fit, or a backend
-                that cannot carry this replica's tensors; 500 when the rendezvous failed.
+            ControlError: a rank refused (400 for bad input) or failed (500).
         """
-        # Checked here, for every rank at once: a rank that joined the rendezvous while
-        # another refused would wait out the whole timeout.
-        args = self.info.server_args()
-        last = request.rank_offset + args["tp_size"] - 1
-        if last >= request.world_size:
-            raise ControlError(
-                f"rank_offset={request.rank_offset} puts this replica's {args['tp_size']} ranks "
-                f"at ranks {request.rank_offset}..{last} of a group of {request.world_size}",
-                status_code=400,
-            )
-        expected = "nccl" if args["device"] == "cuda" else "gloo"
-        if request.backend != expected:
-            raise ControlError(
-                f"backend {request.backend!r} cannot carry {args['device']} tensors; this "
-                f"replica needs backend {expected!r}",
-                status_code=400,
-            )
-        ranks = await self._run(
-            InitWeightsUpdateGroup(
-                master_address=request.master_address,
-                master_port=request.master_port,
-                rank_offset=request.rank_offset,
-                world_size=request.world_size,
-                group_name=request.group_name,
-                backend=request.backend,
-            )
-        )
-        logger.info("joined weights update group %s as ranks %s", request.group_name, ranks)
-        return (
-            f"Joined weights update group {request.group_name} as ranks {ranks} of "
-            f"{request.world_size}"
-        )
+        return await self._run(command)
 
-    async def update_weights_from_distributed(
-        self, request: UpdateWeightsFromDistributedRequest
-    ) -> str:
-        """Receive one broadcast of HF tensors on every rank and load it; then the optional
-        cache flush and weight version.
+    async def set_weight_version(self, version: str) -> None:
+        """Label the weights every rank now holds (an extension's update set them)."""
+        await self._run(SetWeightVersion(version=version))
+        self._weight_version = version
 
-        Generation is not refused here (SGLang's semantics: one request is atomic with
-        respect to generation, since commands run one at a time); an update spread over
-        several requests belongs inside a weight-update session, or a pause.
-
-        Raises:
-            ControlError: 400 for an unknown group or bad metadata; 500 when the broadcast
-                failed (the replica then holds partly written weights).
-        """
-        if request.abort_all_requests:
-            await self.abort_request("", abort_all=True)
-        stats = await self._run(
-            UpdateWeightsFromDistributed(
-                names=tuple(request.names),
-                dtypes=tuple(request.dtypes),
-                shapes=tuple(tuple(shape) for shape in request.shapes),
-                group_name=request.group_name,
-                load_format=request.load_format,
-            )
-        )
-        if request.flush_cache:
-            await self._run(FlushCache(empty_device_cache=False))
-        if request.weight_version is not None:
-            await self._run(SetWeightVersion(version=request.weight_version))
-            self._weight_version = request.weight_version
-        slowest = max(stats, key=lambda s: s.receive_s + s.load_s)
-        logger.info(
-            "received %d tensors (%d bytes): receive %.3f s, load %.3f s (slowest rank)",
-            slowest.num_tensors,
-            slowest.num_bytes,
-            slowest.receive_s,
-            slowest.load_s,
-        )
-        return (
-            f"Updated {slowest.num_tensors} tensors ({slowest.num_bytes} bytes) from "
-            f"{request.group_name}: receive {slowest.receive_s:.3f} s, load "
-            f"{slowest.load_s:.3f} s (slowest rank)"
-        )
-
-    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> str:
-        """Every rank leaves the group.
-
-        Raises:
-            ControlError: 400 when no such group exists.
-        """
-        await self._run(DestroyWeightsUpdateGroup(group_name=request.group_name))
-        logger.info("left weights update group %s", request.group_name)
-        return f"Destroyed weights update group {request.group_name}"
+    def server_args(self) -> dict[str, Any]:
+        """The ``/server_info`` fields that describe how the server runs."""
+        return self.info.server_args()
 
     def server_info(self) -> dict[str, Any]:
         """The server's arguments, state and version (``GET /server_info``)."""

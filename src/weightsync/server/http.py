@@ -4,13 +4,13 @@
 # annotation, which refers to a local variable.
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request, Security
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from weightsync.control.models import ErrorResponse
+from weightsync.control.models import ErrorResponse, SuccessResponse
 from weightsync.errors import WeightSyncError
 
 
@@ -77,3 +77,36 @@ def bearer_auth(api_key: str | None) -> Callable[..., Awaitable[None]]:
             raise ControlError("wrong API key in the Authorization header", status_code=401)
 
     return require_api_key
+
+
+def error_responses(*codes: int, auth: bool = True) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route: ``{"error": {"message"}}`` bodies for `codes`, and
+    401 when the route needs the API key."""
+    responses: dict[int | str, dict[str, Any]] = dict(ERROR_RESPONSES) if auth else {}
+    for code in codes:
+        responses[code] = {"model": ErrorResponse}
+    return responses
+
+
+SUCCESS_400: dict[int | str, dict[str, Any]] = {400: {"model": SuccessResponse}}
+"""OpenAPI ``responses`` entry of the routes that answer 400 as ``{"success": false}``."""
+
+
+def success_body(success: bool, message: str, **extra: Any) -> JSONResponse:
+    """``{"success", "message", ...}`` with 200, or 400 when it did not succeed."""
+    return JSONResponse(
+        {"success": success, "message": message, **extra}, status_code=200 if success else 400
+    )
+
+
+async def success_reply(message: Awaitable[str], **extra: Any) -> JSONResponse:
+    """Await a route's work and answer ``{"success": true, "message"}``; a refusal with HTTP
+    400 is answered ``{"success": false, "message"}`` (SGLang's convention for these routes),
+    other refusals propagate to the error handler.
+    """
+    try:
+        return success_body(True, await message, **extra)
+    except ControlError as exc:
+        if exc.status_code != 400:
+            raise
+        return success_body(False, str(exc))

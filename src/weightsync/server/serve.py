@@ -30,6 +30,7 @@ from weightsync.server.app import create_main_app
 from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 from weightsync.server.config import ServeConfig
 from weightsync.server.controller import ReplicaController
+from weightsync.server.extensions import load_extensions
 from weightsync.server.logs import configure_logging
 from weightsync.server.ranks.children import RankProcesses
 from weightsync.server.ranks.commands import Shutdown
@@ -151,7 +152,12 @@ class _Replica:
                 self.driver, info=info, weight_version=self.config.weight_version
             )
             controller.start()
-            main_server = _server(create_main_app(controller, api_key=self.config.api_key))
+            app = create_main_app(
+                controller,
+                api_key=self.config.api_key,
+                extensions=load_extensions(self.config.extensions),
+            )
+            main_server = _server(app)
             self.main_sock.listen(128)
             main_task = asyncio.create_task(main_server.serve(sockets=[self.main_sock]))
             self._announce()

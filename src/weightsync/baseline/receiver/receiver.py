@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.baseline.flat_bucket import FlatBucketLayout
+from weightsync.baseline.flat_bucket import FLATTENED_BUCKET, FlatBucketLayout
 from weightsync.baseline.update_group import (
     create_store,
     destroy_custom_process_group,
@@ -29,8 +29,6 @@ from weightsync.receiver.loader import load_hf_tensors
 from weightsync.torch_dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
-
-FLATTENED_BUCKET = "flattened_bucket"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

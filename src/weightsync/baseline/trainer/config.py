@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.baseline.flat_bucket import FLATTENED_BUCKET
+
 MIB = 1 << 20
-LOAD_FORMATS = ("flattened_bucket", None)
+LOAD_FORMATS = (FLATTENED_BUCKET, None)
 BACKENDS = ("auto", "gloo", "nccl")
 
 

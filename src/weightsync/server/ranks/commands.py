@@ -57,53 +57,15 @@ class FlushCache:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class InitWeightsUpdateGroup:
-    """Join a torch.distributed group with the trainer (the broadcast baseline); each rank
-    joins as ``rank_offset + tp_rank``."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpdateWeightsFromDistributed:
-    """Receive one broadcast of HF tensors from the trainer and load it on every rank."""
-
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    group_name: str
-    load_format: str | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DestroyWeightsUpdateGroup:
-    """Leave a weights update group."""
-
-    group_name: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown:
     """Leave the command loop, unregister memory and close the transport."""
 
 
 Command = (
-    Generate
-    | BeginUpdate
-    | EndUpdate
-    | SetWeightVersion
-    | CheckWeights
-    | FlushCache
-    | InitWeightsUpdateGroup
-    | UpdateWeightsFromDistributed
-    | DestroyWeightsUpdateGroup
-    | Shutdown
+    Generate | BeginUpdate | EndUpdate | SetWeightVersion | CheckWeights | FlushCache | Shutdown
 )
+"""The reference engine's own commands; server extensions add theirs
+(`weightsync.server.extensions`)."""
 
 # Why a rank could not execute a command; the HTTP layer turns kinds into status codes.
 REFUSED = "refused"  # not now (a session is open): retry later

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightsync.baseline.receiver.receiver import BroadcastReceiver
 from weightsync.checkpoint import load_config_dict
 from weightsync.engine import ReferenceModel, generate
 from weightsync.engine.synthetic import synthetic_hf_tensors
@@ -17,6 +17,7 @@ from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.agent import RolloutAgent, UpdateSessionError
 from weightsync.receiver.loader import load_hf_tensors
 from weightsync.server.config import ServeConfig
+from weightsync.server.extensions import RankContext, ServerExtension, load_extensions
 from weightsync.server.ranks.commands import (
     CONFLICT,
     INTERNAL,
@@ -25,16 +26,13 @@ from weightsync.server.ranks.commands import (
     BeginUpdate,
     CheckWeights,
     Command,
-    DestroyWeightsUpdateGroup,
     EndUpdate,
     FlushCache,
     Generate,
-    InitWeightsUpdateGroup,
     RankInfo,
     RankReply,
     SetWeightVersion,
     Shutdown,
-    UpdateWeightsFromDistributed,
 )
 from weightsync.torch_dtypes import dtype_name
 from weightsync.transport import CudaIpcConfig, MooncakeConfig, Transport, open_transport
@@ -80,7 +78,8 @@ class RankRuntime:
         model: the loaded model.
         transport: the rank's transport, owned by the runtime (closed by `close`).
         agent: the rank's agent over the model's parameters.
-        collective_timeout_s: how long a broadcast-baseline rendezvous or broadcast may wait.
+        collective_timeout_s: how long a collective of a server extension may wait.
+        extensions: the server extensions whose commands this rank runs.
     """
 
     def __init__(
@@ -91,17 +90,25 @@ class RankRuntime:
         transport: Transport,
         agent: RolloutAgent,
         collective_timeout_s: float = 600.0,
+        extensions: Sequence[ServerExtension] = (),
     ) -> None:
         self.tp_rank = tp_rank
         self.model = model
         self.transport = transport
         self.agent = agent
-        self.receiver = BroadcastReceiver(
+        self.extensions = {
+            command_type: extension
+            for extension in extensions
+            for command_type in extension.command_types
+        }
+        self._extensions = list(extensions)
+        self.context = RankContext(
+            tp_rank=tp_rank,
             params=dict(model.named_parameters()),
             hf_config=model.hf_config,
             parallelism=model.parallelism,
             device=model.device,
-            timeout_s=collective_timeout_s,
+            collective_timeout_s=collective_timeout_s,
         )
 
     @classmethod
@@ -168,6 +175,7 @@ class RankRuntime:
             transport=transport,
             agent=agent,
             collective_timeout_s=config.collective_timeout_s,
+            extensions=load_extensions(config.extensions),
         )
         try:
             agent.publish(bootstrap_url, api_key=config.api_key)
@@ -211,10 +219,11 @@ class RankRuntime:
         return RankReply(tp_rank=self.tp_rank, value=value)
 
     def close(self) -> None:
-        """Leave any weights update group, unregister the parameters' memory and close the
-        transport."""
+        """Close what the server extensions hold here, unregister the parameters' memory and
+        close the transport."""
         try:
-            self.receiver.close()
+            for extension in self._extensions:
+                extension.close(self.context)
             self.agent.close()
         finally:
             self.transport.close()
@@ -259,33 +268,11 @@ class RankRuntime:
                 if empty_device_cache and self.model.device.type == "cuda":
                     torch.cuda.empty_cache()
                 return None
-            case InitWeightsUpdateGroup():
-                return self.receiver.init_group(
-                    master_address=command.master_address,
-                    master_port=command.master_port,
-                    rank_offset=command.rank_offset,
-                    world_size=command.world_size,
-                    group_name=command.group_name,
-                    backend=command.backend,
-                )
-            case UpdateWeightsFromDistributed():
-                stats = self.receiver.receive(
-                    names=command.names,
-                    dtypes=command.dtypes,
-                    shapes=command.shapes,
-                    group_name=command.group_name,
-                    load_format=command.load_format,
-                )
-                if self.model.device.type == "cuda":
-                    # The reply says the bucket is loaded: the copies queued on the stream
-                    # must have run, not only been queued.
-                    torch.cuda.synchronize(self.model.device)
-                return stats
-            case DestroyWeightsUpdateGroup(group_name=group_name):
-                self.receiver.destroy_group(group_name)
-                return None
             case Shutdown():
                 return None
+        extension = self.extensions.get(type(command))
+        if extension is not None:
+            return extension.execute(command, self.context)
         raise ValueError(f"unknown command {command!r}")
 
     def _error(self, kind: str, exc: BaseException) -> RankReply:
