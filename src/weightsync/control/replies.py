@@ -6,8 +6,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
-
 from weightsync.errors import RemoteReplicaError
 
 # A compare report names every differing parameter; keep all of it, within reason.
@@ -15,7 +13,8 @@ _MAX_MESSAGE_CHARS = 65536
 
 
 class Reply(Protocol):
-    """What the helpers read of an HTTP reply (an `HttpReply`, or an ``httpx.Response``)."""
+    """What the helpers read of an HTTP reply (an `HttpReply`, or any response object with
+    the same attributes)."""
 
     @property
     def status_code(self) -> int:
@@ -133,7 +132,7 @@ def json_body(response: Reply, *, replica: str, route: str) -> Any:
 
 def unreachable(exc: BaseException, *, replica: str, route: str) -> RemoteReplicaError:
     """The error for a call that got no reply (connection refused, timeout, protocol error)."""
-    timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
+    timed_out = isinstance(exc, TimeoutError)
     kind = "timed out" if timed_out else "got no reply"
     return RemoteReplicaError(
         f"replica {replica}: {route} {kind}: {type(exc).__name__}: {exc}",

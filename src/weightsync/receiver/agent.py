@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Self
 
-import httpx
 import torch
 
-from weightsync.control.models import (
-    RegisterParallelismConfigRequest,
-    RegisterTransferEngineInfoRequest,
-    Selector,
-    TransferEngineInfo,
-)
-from weightsync.control.replies import check_reply, unreachable
+from weightsync.control.bootstrap_client import BootstrapClient
+from weightsync.control.models import Selector
 from weightsync.errors import WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.checker import CheckResult, WeightsChecker
@@ -142,35 +137,25 @@ class RolloutAgent:
         replica's bootstrap server (``PUT /register_transfer_engine_info`` and
         ``PUT /register_parallelism_config``).
 
-        Blocking; call it from the rank's own thread, never from an event loop.
+        Blocking (it runs its own event loop); call it from the rank's own thread, never
+        from inside an event loop.
 
         Raises:
             RemoteReplicaError: the bootstrap server refused or could not be reached.
         """
+        asyncio.run(self._publish(bootstrap_url, api_key=api_key, timeout_s=timeout_s))
+
+    async def _publish(self, bootstrap_url: str, *, api_key: str | None, timeout_s: float) -> None:
         tp_rank = self._parallelism.tp_rank
-        bodies = {
-            "/register_transfer_engine_info": RegisterTransferEngineInfoRequest(
-                tp_rank=tp_rank,
-                transfer_engine_info=TransferEngineInfo(
-                    session_id=self.session_id,
-                    weights_info_dict={k: tuple(v) for k, v in self.weights_info().items()},
-                ),
-            ),
-            "/register_parallelism_config": RegisterParallelismConfigRequest(
-                tp_rank=tp_rank, parallelism_config=self._parallelism.to_dict()
-            ),
-        }
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        url = bootstrap_url.rstrip("/")
-        with httpx.Client(
-            base_url=url, headers=headers, timeout=timeout_s, trust_env=False
-        ) as client:
-            for route, body in bodies.items():
-                try:
-                    response = client.put(route, json=body.model_dump(mode="json"))
-                except httpx.HTTPError as exc:
-                    raise unreachable(exc, replica=url, route=route) from exc
-                check_reply(response, replica=url, route=route)
+        async with BootstrapClient(bootstrap_url, api_key=api_key, timeout_s=timeout_s) as client:
+            results = await asyncio.gather(
+                client.register_transfer_engine_info(tp_rank, self.session_id, self.weights_info()),
+                client.register_parallelism_config(tp_rank, self._parallelism),
+                return_exceptions=True,
+            )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     def begin_update(self, selector: Selector = "target") -> None:
         """Open a weight-update session; the engine must not generate until `end_update`.

@@ -19,5 +19,4 @@ def configure_logging(level: str, *, tp_rank: int) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # The HTTP client logs every request at INFO (each rank's publish); keep its warnings.
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)

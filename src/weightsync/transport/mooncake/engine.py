@@ -117,8 +117,8 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
         raise WeightSyncError(
-            "Mooncake is not installed: pip install mooncake-transfer-engine-non-cuda "
-            "(or mooncake-transfer-engine for GPU memory)"
+            "Mooncake is not installed: pip install 'weightsync[mooncake]' (host memory) or "
+            "'weightsync[mooncake-cuda]' (GPU memory too)"
         ) from exc
     env = {"MC_TRANSFER_TIMEOUT": str(config.engine_timeout_s)}
     # Without MC_FORCE_TCP Mooncake installs RDMA (or, in CUDA builds without a NIC, its
