@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks: workloads, link ceilings, statistics and tables.
 
-Workloads are config.json dicts of synthetic models (`weightsync.engine.synthetic` weights, so no
-checkpoint is written). Ceilings are what the machine's links move with nothing of
+Workloads are config.json dicts of synthetic models (`weightsync.testing.synthetic` weights,
+so no checkpoint is written). Ceilings are what the machine's links move with nothing of
 weightsync in the way, each over the same number of bytes: on the host, a raw Mooncake TCP
 write between two processes with big regions, an in-process memcpy and a loopback TCP socket
 stream; between two GPUs, an NCCL broadcast between two processes and an in-process peer
@@ -35,7 +35,7 @@ from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
-# The workloads: `weightsync.checkpoint`'s presets (dense ones qwen3-shaped with GQA, q/k norms
+# The workloads: `weightsync.testing.presets` (dense ones qwen3-shaped with GQA, q/k norms
 # and untied embeddings; MoE ones qwen3_moe-shaped).
 PRESETS: dict[str, dict[str, Any]] = {
     name: preset_config(name)
@@ -81,23 +81,6 @@ def write_config(config: dict[str, Any], folder: Path) -> Path:
 def log(message: str) -> None:
     """Progress on stderr (stdout holds the table and the JSON line)."""
     print(message, file=sys.stderr, flush=True)
-
-
-def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) -> None:
-    """Run a ``weights_checker`` action on every replica at once (raises if one fails:
-    ``compare`` fails unless every parameter equals the snapshot bit for bit)."""
-    import asyncio
-
-    from weightsync.control import RolloutClient
-
-    async def run() -> None:
-        clients = [RolloutClient(url, api_key=api_key, timeout_s=600.0) for url in urls]
-        try:
-            await asyncio.gather(*(c.weights_checker(action) for c in clients))
-        finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
-
-    asyncio.run(run())
 
 
 def median(values: Sequence[float]) -> float:

@@ -39,13 +39,13 @@ from common import (
     MIB,
     PRESETS,
     GpuCeiling,
-    check_weights,
     log,
     median,
     print_table,
     workload_config,
     write_config,
 )
+from weightsync.testing.trainers import check_weights
 
 # (slot MiB, chunk MiB or None for the default, slots, transport streams): the default first.
 _SWEEP = (
@@ -183,17 +183,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Start the replica and the trainer side, measure, stop; the results."""
     import torch
 
-    from weightsync.engine.synthetic import synthetic_hf_tensors
-    from weightsync.manager import SyncConfig, SyncManager, TrainerSync
+    import weightsync as ws
     from weightsync.plan import build_plan
-    from weightsync.sender import ModelExport, SenderConfig, WeightSender
+    from weightsync.sender import SenderConfig, WeightSender
     from weightsync.testing.launcher import start_replicas
-    from weightsync.transport import (
-        CudaIpcConfig,
-        CudaIpcTransport,
-        MooncakeConfig,
-        MooncakeTransport,
-    )
+    from weightsync.testing.synthetic import synthetic_export
+    from weightsync.transport import CudaIpcConfig, MooncakeConfig, open_transport
 
     cuda = args.device == "cuda"
     config = workload_config(args.preset)
@@ -218,27 +213,20 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if cuda:
             torch.cuda.set_device(args.trainer_gpu)
             device = f"cuda:{args.trainer_gpu}"
-        tensors = dict(
-            synthetic_hf_tensors(config, seed=args.seed, dtype=torch.bfloat16, device=device)
-        )
-        export = ModelExport(tensors, hf_config=config)
+        export = synthetic_export(config, seed=args.seed, dtype=torch.bfloat16, device=device)
         check_weights([replica.url], "snapshot")
         check_weights([replica.url], "reset_tensors")
         control = asyncio.run(_control_calls(replica.url, args.calls))
         log("control calls (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in control.items()))
 
+        transport_config: ws.TransportConfig = MooncakeConfig(protocol="tcp")
         if cuda:
-            transport = CudaIpcTransport(CudaIpcConfig(device=args.trainer_gpu))
-        else:
-            transport = MooncakeTransport(MooncakeConfig(protocol="tcp"))
-        manager = SyncManager([replica.url], SyncConfig(check_weight_update_equal=False))
-        sync = TrainerSync(
-            WeightSender(SenderConfig(), transport=transport),
-            hf_config=config,
-            manager=manager,
-            dtype="bfloat16",
+            transport_config = CudaIpcConfig(device=args.trainer_gpu)
+        transport = open_transport(transport_config)
+        sync = ws.TrainerSync(
+            hf_config=config, replicas=[replica.url], dtype="bfloat16", transport=transport
         )
-        (target,) = sync.run(manager.targets())
+        (target,) = sync.run(sync.manager.targets())
         probe = WeightSender(SenderConfig(), transport=transport)
         plan = build_plan(
             hf_config=config, targets=[target], sources=[probe.holding(export)], dtype="bfloat16"

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from weightsync.export import ModelExport
 from weightsync.layout import ParallelismConfig, rank_layout
 from weightsync.plan import TargetRank, build_plan
 from weightsync.receiver.loader import shard_state_dict
-from weightsync.sender import ModelExport, SenderConfig, WeightSender
+from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import random_model
 from weightsync.transport import CudaIpcConfig, CudaIpcTransport, MooncakeConfig, MooncakeTransport
 

@@ -20,8 +20,8 @@ import torch
 
 from process_group import run_in_process_group
 from servers import serve_replicas
-from weightsync.cli.demo_trainer import greedy_tokens
 from weightsync.testing.presets import preset_config, write_random_checkpoint
+from weightsync.testing.reference import greedy_tokens
 
 API_KEY = "baseline-key"
 ROLLOUT_DTYPE = torch.bfloat16
@@ -84,8 +84,8 @@ def _trainer(rank: int, group: Any, checkpoint: str, urls: list[str]) -> dict[st
 
     from weightsync.baseline import BroadcastConfig, BroadcastSync
     from weightsync.checkpoint import load_config_dict
-    from weightsync.manager import SyncConfig, SyncManager
-    from weightsync.sender import ModelExport
+    from weightsync.export import ModelExport
+    from weightsync.manager import ControlConfig, SyncManager
 
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     hf_config = load_config_dict(checkpoint)
@@ -97,7 +97,7 @@ def _trainer(rank: int, group: Any, checkpoint: str, urls: list[str]) -> dict[st
         manager = None
         if rank == 0:
             manager = SyncManager(
-                urls, SyncConfig(api_key=API_KEY, check_weight_update_equal=check)
+                urls, ControlConfig(api_key=API_KEY, check_weight_update_equal=check)
             )
         sync = BroadcastSync(
             hf_config=hf_config, config=config, group=group, manager=manager, dtype="bfloat16"
@@ -195,12 +195,12 @@ def test_a_misshapen_trainer_tensor_fails_before_any_replica_is_paused(checkpoin
     from weightsync.checkpoint import load_config_dict
     from weightsync.errors import LayoutMismatchError
     from weightsync.layout import hf_tensor_shapes
-    from weightsync.manager import SyncConfig, SyncManager
+    from weightsync.manager import ControlConfig, SyncManager
 
     hf_config = load_config_dict(checkpoint)
     tensors = {name: torch.zeros(shape) for name, shape in hf_tensor_shapes(hf_config).items()}
     tensors["model.layers.2.mlp.up_proj.weight"] = torch.zeros(3, 3)
-    manager = SyncManager([r.url for r in replicas], SyncConfig(api_key=API_KEY))
+    manager = SyncManager([r.url for r in replicas], ControlConfig(api_key=API_KEY))
     sync = BroadcastSync(hf_config=hf_config, manager=manager)
     try:
         with pytest.raises(LayoutMismatchError, match=r"up_proj.weight' with shape \(3, 3\)"):

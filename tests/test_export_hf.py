@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from weightsync.export import ModelExport, hf_state_items
 from weightsync.layout import hf_tensor_shapes
 from weightsync.plan import simulate_sources, stage_layers
-from weightsync.sender import ModelExport, hf_state_items
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 
 
@@ -35,7 +35,7 @@ def test_export_equals_saved_checkpoint(tmp_path: Path, preset: str) -> None:
     assert {n: tuple(t.shape) for n, t in streamed.items()} == hf_tensor_shapes(config)
     for name, tensor in streamed.items():
         assert torch.equal(tensor, saved[name]), name
-    metas = export.metas()
+    metas = export.holding()
     assert list(metas) == list(streamed)
     assert all(
         metas[n].shape == tuple(t.shape) and metas[n].dtype == "float32"
@@ -70,7 +70,7 @@ def test_stages_match_the_plan_simulator(preset: str, pp: int) -> None:
     seen: dict[str, torch.Tensor] = {}
     for stage in range(pp):
         export = ModelExport(model, pp_rank=stage, pp_size=pp)
-        metas = export.metas()
+        metas = export.holding()
         assert metas.keys() == expected[stage].tensors.keys(), f"stage {stage}"
         assert all(m.shape == expected[stage].tensors[n].shape for n, m in metas.items())
         for name, tensor in export:
@@ -107,7 +107,7 @@ def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
     model = random_model(config)
     assert sorted(dict(ModelExport(model))) == sorted(saved)
     assert "lm_head.weight" not in saved
-    last = ModelExport(model, pp_rank=1, pp_size=2).metas()
+    last = ModelExport(model, pp_rank=1, pp_size=2).holding()
     assert "model.embed_tokens.weight" in last and "lm_head.weight" not in last
     assert last.keys() == simulate_sources(config, num_sources=2, pp=2)[1].tensors.keys()
 
@@ -120,3 +120,23 @@ def test_bad_stage_arguments() -> None:
         ModelExport(model, layer_offset=-1)
     with pytest.raises(ValueError, match="config"):
         ModelExport(dict(model.state_dict()), pp_size=2)
+
+
+def test_geometry_is_kept_while_the_model_stays_put() -> None:
+    model = random_model(preset_config("tiny"), seed=3)
+    export = ModelExport(model)
+    first = export.geometry()
+    with torch.no_grad():  # an optimizer step: new values, same memory
+        for param in model.parameters():
+            param.add_(1.0)
+    assert export.geometry() is first
+    assert list(first.keys) == [name for name, _ in export]
+    # A parameter replaced by a tensor elsewhere (same shape): computed again, and equal.
+    norm = model.model.norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    again = export.geometry()
+    assert again is not first and again == first
+    # One laid out otherwise: a different geometry.
+    proj = model.model.layers[0].self_attn.q_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().t().contiguous().t())
+    assert export.geometry() != first

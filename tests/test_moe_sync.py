@@ -6,13 +6,11 @@ import httpx
 import pytest
 import torch
 
+import weightsync as ws
 from servers import serve_replicas
-from weightsync.cli.demo_trainer import greedy_tokens
 from weightsync.layout import rank_layout
-from weightsync.manager import SyncConfig, SyncManager, TrainerSync
-from weightsync.sender import ModelExport, SenderConfig, WeightSender
 from weightsync.testing.presets import preset_config, random_model
-from weightsync.transport import MooncakeConfig, MooncakeTransport
+from weightsync.testing.reference import greedy_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -28,21 +26,19 @@ def test_128_expert_sync_is_bit_exact_with_few_writes(tmp_path):
         tmp_path / "ckpt", num_replicas=1, tp=2, ep=2, dtype="fp32", log_dir=tmp_path
     ) as replicas:
         url = replicas[0].url
-        transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=10))
-        sender = WeightSender(SenderConfig(bucket_bytes=4 << 20), transport=transport)
-        manager = SyncManager([url], SyncConfig(check_weight_update_equal=True))
-        sync = TrainerSync(sender, hf_config=CONFIG, manager=manager, dtype="float32")
-        try:
-            export = ModelExport(model)
-            num_hf_tensors = len(export.metas())
+        config = ws.SyncConfig(
+            sender=ws.SenderConfig(bucket_bytes=4 << 20),
+            control=ws.ControlConfig(check_weight_update_equal=True),
+            transport=ws.MooncakeConfig(protocol="tcp", timeout_s=10),
+        )
+        with ws.TrainerSync(config, hf_config=CONFIG, replicas=[url], dtype="float32") as sync:
+            export = ws.ModelExport(model)
+            num_hf_tensors = len(export.holding())
             first = sync.sync(export)
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(torch.randn_like(param) * 0.05)
             second = sync.sync(export)
-        finally:
-            sync.close()
-            transport.close()
         prompt = [3, 14, 15, 92, 65]
         reply = httpx.post(
             f"{url}/generate",
@@ -59,6 +55,8 @@ def test_128_expert_sync_is_bit_exact_with_few_writes(tmp_path):
     for report in (first, second):
         assert report.num_writes <= 2 * num_params, (report.num_writes, num_params)
         assert report.push.num_regions >= report.num_writes
-    # The second sync replays the first one's push (the generation above ran on its weights).
-    assert not first.push.replayed
-    assert second.push.replayed and second.to_dict()["replayed"]
+    # The second sync runs the first one's cached program (the generation above ran on its
+    # weights), and the report carries the rank's own stats.
+    assert not first.push.cached_program
+    assert second.push.cached_program and second.to_dict()["cached_program"]
+    assert second.push.per_source[0].bytes_written == second.bytes_written

@@ -1,4 +1,5 @@
-"""The sender's pure parts: box ranges, bucket packing, fused fills, coalescing, config."""
+"""Lowering a push: box ranges, bucket packing, chunks, fused copies, coalesced writes, whole
+programs; and the sender's filler and config that run them."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.plan import CopyItem
+from weightsync.export.geometry import stream_geometry
+from weightsync.plan import CopyItem, SourceHolding
+from weightsync.plan.chunks import chunk_bounds, split_bucket
+from weightsync.plan.copies import fuse_copies
+from weightsync.plan.packing import BucketPacker, Region, SourceBox, box_range
+from weightsync.plan.writes import coalesce
 from weightsync.sender import SenderConfig
-from weightsync.sender.buckets import BucketPacker, Region, SourceBox, box_range
-from weightsync.sender.chunks import chunk_bounds, split_bucket
-from weightsync.sender.fill import SlotFiller, fuse_copies
-from weightsync.sender.writes import coalesce
+from weightsync.sender.fill import SlotFiller
 
 
 def _read(tensor: torch.Tensor, box) -> torch.Tensor:
@@ -48,10 +51,37 @@ def test_box_range_covers_exactly_the_elements(case) -> None:
     assert torch.equal(got, _read(tensor, box)[start:stop])
 
 
-def _ops_result(sources, numel: int, dtype=torch.bfloat16) -> torch.Tensor:
+def _geometry(tensors):
+    return stream_geometry((f"t{i}", t) for i, t in enumerate(tensors)).tensors
+
+
+def _fill(
+    parts, tensors, staging: torch.Tensor, *, slot_start: int = 0, num_workers: int = 1
+) -> None:
+    """Fill `staging` with buckets or chunks (`parts`) read from `tensors`, as a program's
+    steps do: fused copies from the geometry, zero runs, then the filler."""
+    geometry = _geometry(tensors)
+    filler = SlotFiller(num_workers=num_workers)
+    size = staging.element_size()
+    for part in parts:
+        copies = fuse_copies(
+            part.sources, geometry, slot_base=slot_start // size, element_size=size
+        )
+        zeros = [(slot_start + o, n) for o, n in part.zeros]
+        filler.run(
+            copies, tensors, zeros, staging_bytes=staging.view(torch.uint8), staging_typed=staging
+        )
+    filler.close()
+
+
+def _ops_result(sources, tensors, numel: int, dtype=torch.bfloat16) -> torch.Tensor:
     staging = torch.zeros(numel, dtype=dtype)
-    for op in fuse_copies(sources, slot_base=0, element_size=staging.element_size()):
-        op.run(staging)
+    copies = fuse_copies(
+        sources, _geometry(tensors), slot_base=0, element_size=staging.element_size()
+    )
+    SlotFiller(num_workers=1).run(
+        copies, tensors, [], staging_bytes=staging.view(torch.uint8), staging_typed=staging
+    )
     return staging
 
 
@@ -59,16 +89,18 @@ def test_fused_copies_of_expert_halves_are_one_copy() -> None:
     experts, inter, hidden = 16, 6, 4
     fused = torch.randn(experts, 2 * inter, hidden)
     half = inter // 2  # tensor-parallel rank 1 of 2: rows [half, inter) of gate and of up
-    sources, expected, offset = [], [], 0
+    sources, expected, tensors, offset = [], [], [], 0
     for e in range(experts):
         for part in (fused[e, :inter], fused[e, inter:]):  # per-expert views, as the export makes
             box = ((half, inter), (0, hidden))
-            sources.append(SourceBox(tensor=part, box=box, slot_offset=offset * 2))
+            sources.append(SourceBox(source=len(tensors), box=box, slot_offset=offset * 2))
+            tensors.append(part)
             expected.append(_read(part, box))
             offset += half * hidden
-    ops = fuse_copies(sources, slot_base=0, element_size=2)
+    ops = fuse_copies(sources, _geometry(tensors), slot_base=0, element_size=2)
     assert len(ops) == 1
-    assert torch.equal(_ops_result(sources, offset), torch.cat(expected).to(torch.bfloat16))
+    got = _ops_result(sources, tensors, offset)
+    assert torch.equal(got, torch.cat(expected).to(torch.bfloat16))
 
 
 @settings(max_examples=100, deadline=None)
@@ -83,10 +115,10 @@ def test_fused_copies_equal_box_by_box_copies(spec) -> None:
         row = min(row, tensor.shape[0] - 1)
         rows = min(rows, tensor.shape[0] - row)
         box = ((row, row + rows), (0, tensor.shape[1]))
-        sources.append(SourceBox(tensor=tensor, box=box, slot_offset=offset * 4))
+        sources.append(SourceBox(source=which, box=box, slot_offset=offset * 4))
         expected.append(_read(tensor, box))
         offset += rows * tensor.shape[1]
-    got = _ops_result(sources, offset, torch.float32)
+    got = _ops_result(sources, tensors, offset, torch.float32)
     want = torch.cat(expected) if expected else torch.empty(0)
     assert torch.equal(got, want)
 
@@ -125,28 +157,20 @@ def test_packer_splits_items_across_slots(slot_elements: int, num_workers: int) 
         element_size=element_size,
         dst_address=lambda p, o: (0 if p == "p" else 1 << 20) + o,
     )
-    buckets = packer.add(a, items_a) + packer.add(b, items_b)
+    buckets = packer.add(0, items_a) + packer.add(1, items_b)
     last = packer.flush()
     buckets += [last] if last else []
-    filler = SlotFiller(num_workers=num_workers)
     for bucket in buckets:
         assert bucket.num_bytes <= slot_elements * element_size
         assert sum(r.num_bytes for r in bucket.regions) == bucket.num_bytes
         staging = torch.full((slot_elements,), 3.0, dtype=torch.bfloat16)
-        filler.fill(
-            bucket,
-            staging_bytes=staging.view(torch.uint8),
-            staging_typed=staging,
-            slot_index=0,
-            slot_bytes=slot_elements * 2,
-        )
+        _fill([bucket], [a, b], staging, num_workers=num_workers)
         raw = staging.view(torch.uint8)
         for region in bucket.regions:
             target = dst[region.param_name].view(torch.uint8)
             target[region.dst_offset_bytes : region.dst_offset_bytes + region.num_bytes] = raw[
                 region.slot_offset : region.slot_offset + region.num_bytes
             ]
-    filler.close()
     assert all(torch.equal(dst[k], expected[k]) for k in dst)
 
 
@@ -160,14 +184,14 @@ def test_coalesce_merges_runs_of_one_parameter_adjacent_in_slot_and_target() -> 
     ]
     # w2 right after w13 in memory: still two writes, one per registered parameter.
     info = {"w13": (1000, 8, 2), "w2": (1016, 8, 2)}
-    writes = coalesce(regions, slot_addr=50, weights_info=info)
-    assert [(w.src_addr, w.dst_addr, w.num_bytes, w.param_name) for w in writes] == [
+    writes = coalesce(regions, slot_offset=50, weights_info=info)
+    assert [(w.src_offset, w.dst_addr, w.num_bytes, w.param_name) for w in writes] == [
         (50, 1000, 16, "w13"),
         (66, 1016, 8, "w2"),
         (74, 1028, 4, "w2"),
     ]
     with pytest.raises(ValueError, match="'w2'"):
-        coalesce(regions, slot_addr=50, weights_info={"w13": (1000, 8, 2)})
+        coalesce(regions, slot_offset=50, weights_info={"w13": (1000, 8, 2)})
 
 
 @pytest.mark.parametrize(
@@ -230,20 +254,12 @@ def test_worker_threads_fill_large_slots_like_one_thread() -> None:
     packer = BucketPacker(
         layout_id=0, slot_bytes=16 << 20, element_size=2, dst_address=lambda p, o: o
     )
-    assert packer.add(fused, items) == []
+    assert packer.add(0, items) == []
     bucket = packer.flush()
     results = []
     for num_workers in (1, 3):
         staging = torch.full(((16 << 20) // 2,), 5.0, dtype=torch.bfloat16)
-        filler = SlotFiller(num_workers=num_workers)
-        filler.fill(
-            bucket,
-            staging_bytes=staging.view(torch.uint8),
-            staging_typed=staging,
-            slot_index=0,
-            slot_bytes=16 << 20,
-        )
-        filler.close()
+        _fill([bucket], [fused], staging, num_workers=num_workers)
         results.append(staging)
     expected = torch.cat(
         [fused.reshape(-1).to(torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)]
@@ -290,10 +306,10 @@ def _params_and_items(draw):
     return tensors, items, 2 * draw(st.integers(1, 200))
 
 
-def _apply(writes, memory: dict[int, int], staging: bytes, slot_addr: int) -> None:
+def _apply(writes, memory: dict[int, int], staging: bytes) -> None:
     for w in writes:
         for i in range(w.num_bytes):
-            memory[w.dst_addr + i] = staging[w.src_addr - slot_addr + i]
+            memory[w.dst_addr + i] = staging[w.src_offset + i]
 
 
 @settings(max_examples=150, deadline=None)
@@ -305,9 +321,10 @@ def test_chunks_stage_and_write_exactly_what_the_bucket_does(case) -> None:
     packer = BucketPacker(
         layout_id=0, slot_bytes=1 << 16, element_size=2, dst_address=lambda p, o: base[p] + o
     )
+    names = sorted(tensors)
     for item in items:
-        tensor = tensors[item.hf_name] if item.hf_name is not None else None
-        assert packer.add(tensor, [item]) == []
+        source = names.index(item.hf_name) if item.hf_name is not None else 0
+        assert packer.add(source, [item]) == []
     bucket = packer.flush()
     assert bucket is not None
     chunks = split_bucket(bucket, chunk_bytes=chunk_bytes, element_size=2)
@@ -327,38 +344,29 @@ def test_chunks_stage_and_write_exactly_what_the_bucket_does(case) -> None:
             assert chunk.start <= s.slot_offset and s.slot_offset + size <= stop
 
     # Filling chunk by chunk leaves the slot as filling the bucket at once does.
-    filler = SlotFiller(num_workers=1)
     slots = []
     for parts in ([bucket], chunks):
         staging = torch.full((1 << 15,), 3.0, dtype=torch.bfloat16)
-        for part in parts:
-            filler.fill(
-                part,
-                staging_bytes=staging.view(torch.uint8),
-                staging_typed=staging,
-                slot_index=0,
-                slot_bytes=1 << 16,
-            )
+        _fill(parts, [tensors[name] for name in names], staging)
         slots.append(staging)
-    filler.close()
     assert torch.equal(slots[0].view(torch.int16), slots[1].view(torch.int16))
 
     # The chunks' writes land the same bytes; a cut costs a write only inside a long run.
     raw = slots[0].view(torch.uint8).tolist()
-    whole = coalesce(bucket.regions, slot_addr=0, weights_info=info)
-    parts = [w for c in chunks for w in coalesce(c.regions, slot_addr=0, weights_info=info)]
+    whole = coalesce(bucket.regions, slot_offset=0, weights_info=info)
+    parts = [w for c in chunks for w in coalesce(c.regions, slot_offset=0, weights_info=info)]
     landed: list[dict[int, int]] = [{}, {}]
-    _apply(whole, landed[0], raw, 0)
-    _apply(parts, landed[1], raw, 0)
+    _apply(whole, landed[0], raw)
+    _apply(parts, landed[1], raw)
     assert landed[0] == landed[1]
     inner_cuts = [
         c.start
         for c in chunks[1:]
-        if any(w.src_addr < c.start < w.src_addr + w.num_bytes for w in whole)
+        if any(w.src_offset < c.start < w.src_offset + w.num_bytes for w in whole)
     ]
     assert len(parts) == len(whole) + len(inner_cuts)
     for cut in inner_cuts:
-        (run,) = [w for w in whole if w.src_addr < cut < w.src_addr + w.num_bytes]
+        (run,) = [w for w in whole if w.src_offset < cut < w.src_offset + w.num_bytes]
         assert run.num_bytes > 2 * chunk_bytes
 
 
@@ -402,12 +410,11 @@ def test_chunk_bounds_follow_parameters_and_cut_only_long_runs() -> None:
 
 
 def test_split_bucket_cuts_a_long_source_box_into_row_boxes() -> None:
-    tensor = torch.randn(6, 8)
     item = CopyItem(
         hf_name="w", src_box=((1, 6), (0, 8)), param_name="p", dst_offset_bytes=0, num_bytes=80
     )
     packer = BucketPacker(layout_id=0, slot_bytes=1024, element_size=2, dst_address=lambda p, o: o)
-    packer.add(tensor, [item])
+    packer.add(0, [item])
     bucket = packer.flush()
     # 80 bytes in one run, cut every 24 bytes (12 elements, one and a half rows).
     chunks = split_bucket(bucket, chunk_bytes=24, element_size=2)
@@ -420,3 +427,105 @@ def test_split_bucket_cuts_a_long_source_box_into_row_boxes() -> None:
         (24, 24),
         (48, 48),
     ]
+
+
+# ---------------------------------------------------------------- whole programs
+
+
+def _run_program(program, stream) -> dict[str, dict[str, torch.Tensor]]:
+    """Execute `program` by hand: fill a host ring step by step and apply every write into
+    per-target parameter memory (by session id), as a transport would."""
+    ring = torch.zeros(program.staging.ring_bytes, dtype=torch.uint8)
+    typed = ring.view(getattr(torch, program.dtype))
+    index = {key: i for i, key in enumerate(program.keys)}
+    held: list = [None] * len(program.keys)
+    for key, tensor in stream:
+        if key in index:
+            held[index[key]] = tensor
+    memory: dict[str, dict[int, int]] = {}
+    filler = SlotFiller(num_workers=1)
+    for step in program.steps:
+        filler.run(step.copies, held, step.zeros, staging_bytes=ring, staging_typed=typed)
+        raw = ring.numpy()
+        for target_writes in step.writes:
+            landed = memory.setdefault(target_writes.target.session_id, {})
+            for w in target_writes.writes:
+                landed[w.dst_addr] = raw[w.src_offset : w.src_offset + w.num_bytes].tobytes()
+    filler.close()
+    return memory
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.sampled_from(["tiny", "tiny-moe"]),
+    st.sampled_from([(1, 1), (2, 1), (2, 2)]),
+    st.sampled_from([256, 4096, 1 << 20]),
+    st.sampled_from([64, 1024]),
+    st.integers(1, 3),
+)
+def test_a_lowered_program_writes_exactly_the_rank_layouts(
+    preset, parallel, slot_bytes, chunk_bytes, num_slots
+) -> None:
+    from weightsync.export import ModelExport
+    from weightsync.plan import build_plan, simulate_targets
+    from weightsync.plan.program import StagingSpec, lower_push
+    from weightsync.receiver import shard_state_dict
+    from weightsync.testing.presets import preset_config, random_model
+
+    tp, ep = parallel
+    if ep > 1 and preset != "tiny-moe":
+        ep = 1
+    config = preset_config(preset)
+    model = random_model(config, seed=3)
+    export = ModelExport(model)
+    targets = simulate_targets(config, tp=tp, ep=ep, replicas=2, dtype="bfloat16")
+    plan = build_plan(
+        hf_config=config,
+        targets=targets,
+        sources=[SourceHolding(rank=0, tensors=export.holding())],
+        dtype="bfloat16",
+    )
+    staging = StagingSpec(
+        device="cpu", num_slots=num_slots, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes
+    )
+    program = lower_push(plan.for_source(0), export.geometry(), staging)
+    assert program.counters.bytes_written == plan.num_bytes_written
+    memory = _run_program(program, export)
+    state = model.state_dict()
+    for target in targets:
+        expected = shard_state_dict(state, config, target.parallelism, "bfloat16")
+        landed = memory[target.session_id]
+        runs = sorted(landed.items())
+        got = bytearray()
+        for param, tensor in expected.items():
+            addr = target.weights_info[param][0]
+            want = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+            got = bytearray(len(want))
+            covered = 0
+            for start, data in runs:
+                if addr <= start < addr + len(want):
+                    got[start - addr : start - addr + len(data)] = data
+                    covered += len(data)
+            assert covered == len(want), (param, covered, len(want))
+            assert bytes(got) == want, param
+
+
+def test_lowering_refuses_a_stream_without_a_needed_tensor() -> None:
+    from weightsync.export import ModelExport
+    from weightsync.plan import build_plan, simulate_targets
+    from weightsync.plan.program import StagingSpec, lower_push
+    from weightsync.testing.presets import preset_config, random_model
+
+    config = preset_config("tiny")
+    export = ModelExport(random_model(config, seed=3))
+    plan = build_plan(
+        hf_config=config,
+        targets=simulate_targets(config, tp=2),
+        sources=[SourceHolding(rank=0, tensors=export.holding())],
+    ).for_source(0)
+    partial = ModelExport({k: v for k, v in export if k != "model.norm.weight"})
+    staging = StagingSpec(device="cpu", num_slots=2, slot_bytes=4096, chunk_bytes=1024)
+    with pytest.raises(ValueError, match=r"lacks 'model\.norm\.weight'"):
+        lower_push(plan, partial.geometry(), staging)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        StagingSpec(device="cpu", num_slots=2, slot_bytes=100, chunk_bytes=64)

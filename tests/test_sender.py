@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import queue
@@ -26,8 +27,9 @@ import pytest
 import torch
 
 from weightsync.errors import TransferError
+from weightsync.export import ModelExport
 from weightsync.plan import SourceHolding, TargetRank, build_plan
-from weightsync.sender import ModelExport, SenderConfig, WeightSender
+from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import preset_config, random_model
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
@@ -221,15 +223,31 @@ def test_moe_experts_go_out_as_few_large_writes(receiver: Receiver, transport) -
     sender.close()
 
 
-def _without(export: ModelExport, skipped: str) -> Iterator[tuple[str, torch.Tensor]]:
-    return ((name, tensor) for name, tensor in export if name != skipped)
+def _without(export: ModelExport, skipped: str) -> ModelExport:
+    return ModelExport({name: tensor for name, tensor in export if name != skipped})
 
 
-def _reshaped(export: ModelExport, name: str, rows: int) -> Iterator[tuple[str, torch.Tensor]]:
-    for hf_name, tensor in export:
-        if hf_name == name:
-            tensor = torch.zeros(tensor.shape[0] + rows, *tensor.shape[1:])
-        yield hf_name, tensor
+def _reshaped(export: ModelExport, name: str, rows: int) -> ModelExport:
+    tensors = dict(export)
+    tensor = tensors[name]
+    tensors[name] = torch.zeros(tensor.shape[0] + rows, *tensor.shape[1:])
+    return ModelExport(tensors)
+
+
+class _LyingExport(ModelExport):
+    """An export whose stream yields one tensor laid out otherwise than its geometry says."""
+
+    def __init__(self, export: ModelExport, name: str) -> None:
+        super().__init__(dict(export))
+        self._name = name
+        self._honest_geometry = ModelExport(dict(export)).geometry()
+
+    def geometry(self):
+        return self._honest_geometry
+
+    def __iter__(self):
+        for hf_name, tensor in super().__iter__():
+            yield hf_name, (tensor.t().contiguous().t() if hf_name == self._name else tensor)
 
 
 def test_bad_stream_fails_before_any_write(receiver: Receiver, transport) -> None:
@@ -239,17 +257,44 @@ def test_bad_stream_fails_before_any_write(receiver: Receiver, transport) -> Non
     plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
 
     missing = "model.layers.2.mlp.down_proj.weight"
-    with pytest.raises(ValueError, match=f"ended without '{missing}'"):
+    with pytest.raises(ValueError, match=f"stream lacks '{missing}'"):
         sender.push(plan, _without(export, missing))
     wrong = "model.layers.1.self_attn.q_proj.weight"
     with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(65, 64\).*\(64, 64\)"):
         sender.push(plan, _reshaped(export, wrong, rows=1))
-    # Shorter than the plan's boxes is caught without a declared holding too.
-    bare = WeightSender(_config(), transport=transport)
-    with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(63, 64\).*reads box"):
-        bare.push(plan, _reshaped(export, wrong, rows=-1))
+    with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(63, 64\).*\(64, 64\)"):
+        sender.push(plan, _reshaped(export, wrong, rows=-1))
+    with pytest.raises(ValueError, match="takes a WeightExport"):
+        sender.holding([("x", torch.zeros(1))])
     assert receiver.call(cmd="unchanged", group="tiny", value=5.0)["changed"] == []
-    bare.close()
+    sender.close()
+
+
+def test_plan_boxes_are_checked_against_the_geometry(receiver: Receiver, transport) -> None:
+    sender = WeightSender(_config(), transport=transport)
+    export = ModelExport(random_model(TINY, seed=6))
+    plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
+    wrong = "model.layers.1.self_attn.q_proj.weight"
+    # A plan built without declared shapes still refuses a tensor too small for its boxes.
+    bare = dataclasses.replace(plan, shapes={})
+    with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(63, 64\).*reads box"):
+        sender.push(bare, _reshaped(export, wrong, rows=-1))
+    sender.close()
+
+
+def test_an_export_that_lies_about_its_geometry_is_stopped_at_that_tensor(
+    receiver: Receiver, transport
+) -> None:
+    receiver.call(cmd="fill", group="tiny", value=5.0)
+    sender = WeightSender(_config(bucket_bytes=8 << 10), transport=transport)
+    export = ModelExport(random_model(TINY, seed=6))
+    plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
+    name = "model.layers.3.self_attn.o_proj.weight"
+    with pytest.raises(ValueError, match=rf"'{name}' lies in memory as .* must match its geometry"):
+        sender.push(plan, _LyingExport(export, name))
+    # The sender is fine afterwards.
+    sender.push(plan, export)
+    _assert_exact(receiver, "tiny", seed=6)
     sender.close()
 
 
@@ -338,16 +383,16 @@ def test_host_memory_stays_within_two_buckets(tmp_path: Path, receiver: Receiver
     assert second["peak_rss_growth_bytes"] <= 16 << 20, second
 
 
-def test_holding_accepts_exports_and_mappings(transport) -> None:
+def test_holding_is_what_the_export_holds(transport) -> None:
     sender = WeightSender(_config(), transport=transport)
     model = random_model(TINY)
     from_export = sender.holding(ModelExport(model))
-    from_mapping = sender.holding(dict(ModelExport(model)))
+    from_mapping = sender.holding(ModelExport(dict(ModelExport(model))))
     assert isinstance(from_export, SourceHolding) and from_export.rank == 0
     assert from_export == from_mapping
     assert sender.gather_holdings(ModelExport(model)) == [from_export]
-    with pytest.raises(ValueError, match="ModelExport or a mapping"):
-        sender.holding([("x", torch.zeros(1))])
+    with pytest.raises(ValueError, match="WeightExport"):
+        sender.holding({"x": torch.zeros(1)})
     sender.close()
 
 
@@ -444,8 +489,8 @@ def test_streamed_bucket_with_a_bad_last_tensor_writes_nothing(
     rows = tensor.shape[0]
     with pytest.raises(ValueError, match=rf"'{last}' has shape \({rows + 1}, "):
         sender.push(plan, _reshaped(export, last, rows=1))
-    meta = ((n, t.to("meta") if n == last else t) for n, t in export)
-    with pytest.raises(ValueError, match=rf"'{last}' is a torch.strided tensor on meta"):
+    meta = ModelExport({n: t.to("meta") if n == last else t for n, t in export})
+    with pytest.raises(ValueError, match=rf"'{last}' .* is a torch.strided tensor on meta"):
         sender.push(plan, meta)
     assert receiver.call(cmd="unchanged", group="large", value=5.0)["changed"] == []
     # The same sender streams the good tensors afterwards.
@@ -455,9 +500,10 @@ def test_streamed_bucket_with_a_bad_last_tensor_writes_nothing(
     sender.close()
 
 
-# ---------------------------------------------------------------- replayed pushes
-# The second push of a plan replays the first (`weightsync.sender.replay`); a stream that
-# changes falls back to a normal push; bit-exact either way.
+# ---------------------------------------------------------------- cached programs
+# A push runs a program lowered from the plan and the stream's geometry; a later push whose
+# stream lies in memory the same way runs the cached program; one that changed gets a new
+# program before anything is written. Bit-exact either way.
 
 
 def _load(model: torch.nn.Module, seed: int, config: dict) -> None:
@@ -471,7 +517,7 @@ def _load(model: torch.nn.Module, seed: int, config: dict) -> None:
 
 
 @pytest.mark.parametrize("group", ["tiny", "moe"])
-def test_second_push_replays_and_lands_new_weights(
+def test_second_push_runs_the_cached_program_and_lands_new_weights(
     receiver: Receiver, transport, group: str
 ) -> None:
     config = {"tiny": TINY, "moe": MOE}[group]
@@ -482,79 +528,64 @@ def test_second_push_replays_and_lands_new_weights(
     export = ModelExport(model)
     plan = _plan_for(sender, export, receiver, group).for_source(0)
     first = sender.push(plan, export)
-    assert not first.replayed
+    assert not first.cached_program
     _assert_exact(receiver, group, seed=31)
     for seed in (32, 33):
         _load(model, seed, config)
-        sender.holding(export)  # what TrainerSync does before every sync: same shapes
         stats = sender.push(plan, export)
-        assert stats.replayed
+        assert stats.cached_program
         _assert_exact(receiver, group, seed=seed)
         for field in ("bytes_staged", "bytes_written", "num_writes", "num_chunks", "num_copies"):
             assert getattr(stats, field) == getattr(first, field), field
         assert stats.bytes_per_target == first.bytes_per_target
-    # A new model object with the same shapes replays too (other storage, same geometry).
+    # A new model object with the same shapes runs it too (other storage, same geometry).
     stats = sender.push(plan, ModelExport(random_model(config, seed=34)))
-    assert stats.replayed
+    assert stats.cached_program
     _assert_exact(receiver, group, seed=34)
     sender.close()
 
 
-def _stream(export: ModelExport) -> list[tuple[str, torch.Tensor]]:
-    return list(export)
+def _swapped(model: torch.nn.Module) -> ModelExport:
+    """The model's stream with its last two tensors in the other order."""
+    stream = list(ModelExport(model))
+    stream[-2], stream[-1] = stream[-1], stream[-2]
+    return ModelExport(dict(stream))
 
 
-def test_changed_streams_fall_back_and_stay_exact(receiver: Receiver, transport) -> None:
+def test_changed_geometry_gets_a_new_program_before_the_push(receiver: Receiver, transport) -> None:
     receiver.call(cmd="fill", group="tiny", value=7.0)
     sender = WeightSender(_config(bucket_bytes=8 << 10), transport=transport)
     model = random_model(TINY, seed=41)
     plan = _plan_for(sender, ModelExport(model), receiver, "tiny").for_source(0)
-    sender.push(plan, _stream(ModelExport(model)))
+    sender.push(plan, ModelExport(model))
 
-    # The last two tensors swapped: the replay writes the chunks before them, then stops.
-    _load(model, 42, TINY)
-    stream = _stream(ModelExport(model))
-    stream[-2], stream[-1] = stream[-1], stream[-2]
-    stats = sender.push(plan, stream)
-    assert not stats.replayed
-    _assert_exact(receiver, "tiny", seed=42)
-    assert stats.bytes_written >= plan.num_bytes_written
-
-    # The next push in the new order records it; the one after replays it.
-    for seed, replayed in ((43, False), (44, True)):
+    # The last two tensors swapped: a new program, then cached.
+    for seed, cached in ((42, False), (43, True)):
         _load(model, seed, TINY)
-        stream = _stream(ModelExport(model))
-        stream[-2], stream[-1] = stream[-1], stream[-2]
-        assert sender.push(plan, stream).replayed is replayed
+        stats = sender.push(plan, _swapped(model))
+        assert stats.cached_program is cached
         _assert_exact(receiver, "tiny", seed=seed)
+    # The original order's program is still cached.
+    _load(model, 44, TINY)
+    assert sender.push(plan, ModelExport(model)).cached_program
+    _assert_exact(receiver, "tiny", seed=44)
 
     # Same values, one tensor with other strides (a transposed copy viewed back).
     _load(model, 45, TINY)
-    stream = _stream(ModelExport(model))
-    stream[-2], stream[-1] = stream[-1], stream[-2]
-    index = next(i for i, (_, t) in enumerate(stream) if t.dim() == 2)
-    name, tensor = stream[index]
-    stream[index] = (name, tensor.t().contiguous().t())
-    assert not sender.push(plan, stream).replayed
+    stream = dict(ModelExport(model))
+    name = next(n for n, t in stream.items() if t.dim() == 2)
+    stream[name] = stream[name].t().contiguous().t()
+    stats = sender.push(plan, ModelExport(stream))
+    assert not stats.cached_program
     _assert_exact(receiver, "tiny", seed=45)
     sender.close()
 
 
-def test_replay_refuses_missing_and_repeated_tensors(receiver: Receiver, transport) -> None:
-    receiver.call(cmd="fill", group="tiny", value=7.0)
-    sender = WeightSender(_config(bucket_bytes=8 << 10), transport=transport)
-    model = random_model(TINY, seed=51)
-    plan = _plan_for(sender, ModelExport(model), receiver, "tiny").for_source(0)
-    sender.push(plan, ModelExport(model))
-    stream = _stream(ModelExport(model))
-    missing = stream[len(stream) // 2][0]
-    with pytest.raises(ValueError, match=f"stream ended without '{missing}'"):
-        sender.push(plan, stream[: len(stream) // 2] + stream[len(stream) // 2 + 1 :])
-    sender.push(plan, ModelExport(model))  # records again
+def test_repeated_tensors_are_refused(transport) -> None:
+    class Twice(ModelExport):
+        def __iter__(self):
+            items = list(super().__iter__())
+            yield from items[:3] + items[2:]
+
     with pytest.raises(ValueError, match="twice"):
-        sender.push(plan, stream[:3] + stream[2:])
-    # After the failures the sender still pushes correctly.
-    _load(model, 52, TINY)
-    sender.push(plan, ModelExport(model))
-    _assert_exact(receiver, "tiny", seed=52)
-    sender.close()
+        Twice(random_model(TINY, seed=51)).geometry()

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from test_sender import MODELS, MOE, TINY, Receiver, _assert_exact, _config, _plan_for
-from weightsync.sender import ModelExport, WeightSender
+from weightsync.export import ModelExport
+from weightsync.sender import WeightSender
 from weightsync.testing.presets import random_model
 from weightsync.transport import CudaIpcConfig, CudaIpcTransport, MooncakeConfig, MooncakeTransport
 
@@ -62,7 +63,7 @@ def test_repeated_pushes_through_a_small_gpu_ring(gpu_receiver: Receiver, ipc) -
     # Writes are queued behind the copies on the GPU (the transport is stream-ordered), so
     # only the slot waits keep a slot from being refilled while it is still read: each push
     # wraps the two-slot ring many times and must land every byte of its own weights.
-    # The second and third pushes of the plan replay the first (new tensors, same geometry).
+    # The second and third pushes run the cached program (new tensors, same geometry).
     sender = WeightSender(_config(bucket_bytes=1 << 15, chunk_bytes=4096), transport=ipc)
     plan = None
     for seed in (21, 22, 23):
@@ -72,7 +73,7 @@ def test_repeated_pushes_through_a_small_gpu_ring(gpu_receiver: Receiver, ipc) -
             plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
         stats = sender.push(plan, export)
         assert stats.num_buckets > 4
-        assert stats.replayed is (seed != 21)
+        assert stats.cached_program is (seed != 21)
         _assert_exact(gpu_receiver, "tiny", seed=seed)
     sender.close()
 
@@ -88,10 +89,10 @@ def test_host_staging_from_cuda_tensors(gpu_receiver: Receiver, ipc) -> None:
     assert stats.num_chunks > stats.num_buckets
     _assert_exact(gpu_receiver, "tiny", seed=12)
     assert sender.staging_device == torch.device("cpu")
-    # The replay waits on the host for the device-to-host copies, as the first push did.
+    # The cached program waits on the host for the device-to-host copies, as the first did.
     gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
     stats = sender.push(plan, ModelExport(random_model(TINY, seed=14).to("cuda:0")))
-    assert stats.replayed
+    assert stats.cached_program
     _assert_exact(gpu_receiver, "tiny", seed=14)
     sender.close()
 
@@ -108,7 +109,9 @@ def test_cuda_tensors_over_mooncake() -> None:
         sender.push(plan, export)
         _assert_exact(receiver, "tiny", seed=13)
         receiver.call(cmd="fill", group="tiny", value=7.0)
-        assert sender.push(plan, ModelExport(random_model(TINY, seed=15).to("cuda:0"))).replayed
+        assert sender.push(
+            plan, ModelExport(random_model(TINY, seed=15).to("cuda:0"))
+        ).cached_program
         _assert_exact(receiver, "tiny", seed=15)
         expected = "cuda" if transport.supports_device(torch.device("cuda", 0)) else "cpu"
         assert sender.staging_device.type == expected

@@ -91,41 +91,38 @@ def test_replica_publishes_cuda_ipc_sessions_on_its_gpu(replica):
 
 
 def test_p2p_sync_over_cuda_ipc_is_bit_exact(replica, model_dir):
-    from weightsync.manager import SyncConfig, SyncManager, TrainerSync
-    from weightsync.sender import ModelExport, SenderConfig, WeightSender
-    from weightsync.transport import CudaIpcConfig, CudaIpcTransport
+    import weightsync as ws
 
     config, tensors = _trainer_tensors(model_dir)
-    transport = CudaIpcTransport(CudaIpcConfig(device=0))
-    sender = WeightSender(SenderConfig(bucket_bytes=1 << 20, timeout_s=30.0), transport=transport)
-    manager = SyncManager(
-        [replica.url], SyncConfig(api_key=API_KEY, check_weight_update_equal=True)
+    sync_config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=1 << 20, timeout_s=30.0),
+        control=ws.ControlConfig(api_key=API_KEY, check_weight_update_equal=True),
+        transport=ws.CudaIpcConfig(device=0),
     )
-    sync = TrainerSync(sender, hf_config=config, manager=manager, dtype="bfloat16")
+    sync = ws.TrainerSync(sync_config, hf_config=config, replicas=[replica.url], dtype="bfloat16")
+    sender = sync.sender
     try:
         # The manager snapshots the replica (its own synthetic copy), overwrites it with
         # random values, syncs and requires the snapshot back bit for bit.
-        report = sync.sync(ModelExport(tensors, hf_config=config))
+        report = sync.sync(ws.ModelExport(tensors, hf_config=config))
         assert sender.staging_device == torch.device("cuda", 0)
         assert report.bit_exact is True
         assert report.push.bytes_written > 0 and report.push.num_writes > 0
         # A later sync restores an overwritten replica too.
         _checker(replica.url, "snapshot")
         _checker(replica.url, "reset_tensors")
-        sync.sync(ModelExport(tensors, hf_config=config))
+        sync.sync(ws.ModelExport(tensors, hf_config=config))
         _checker(replica.url, "compare")
     finally:
         sync.close()
-        sender.close()
-        transport.close()
 
 
 def test_nccl_baseline_into_a_cuda_replica_is_bit_exact(replica, model_dir):
     from weightsync.baseline import BroadcastConfig, BroadcastSync
-    from weightsync.manager import SyncConfig, SyncManager
+    from weightsync.manager import ControlConfig, SyncManager
 
     config, tensors = _trainer_tensors(model_dir)
-    manager = SyncManager([replica.url], SyncConfig(api_key=API_KEY))
+    manager = SyncManager([replica.url], ControlConfig(api_key=API_KEY))
     sync = BroadcastSync(
         hf_config=config,
         config=BroadcastConfig(bucket_bytes=1 << 20, timeout_s=120.0),

@@ -44,25 +44,13 @@ def _checksums(url: str) -> dict:
     return json.loads(reply.json()["message"])
 
 
-class _ShapeLie:
-    """An export that declares (and yields) one tensor with a wrong shape."""
+def _shape_lie(export, bad_name: str):
+    """An export that holds (and yields) one tensor with a wrong shape."""
+    from weightsync.export import ModelExport
 
-    def __init__(self, export, bad_name: str) -> None:
-        self._export = export
-        self._bad = bad_name
-
-    def metas(self):
-        from weightsync.plan import TensorMeta
-
-        metas = dict(self._export.metas())
-        if self._bad in metas:
-            shape = metas[self._bad].shape
-            metas[self._bad] = TensorMeta(shape=(shape[0] - 1, *shape[1:]), dtype="float32")
-        return metas
-
-    def __iter__(self):
-        for name, tensor in self._export:
-            yield name, tensor[:-1] if name == self._bad else tensor
+    return ModelExport(
+        {name: tensor[:-1] if name == bad_name else tensor for name, tensor in export}
+    )
 
 
 def _scenario(
@@ -71,24 +59,21 @@ def _scenario(
     """Trainer rank `rank` of 2 (pipeline stage `rank`): the whole scripted run."""
     from transformers import AutoModelForCausalLM
 
-    from weightsync.cli.demo_trainer import greedy_tokens
-    from weightsync.manager import SyncConfig, SyncManager, TrainerSync
-    from weightsync.sender import ModelExport, SenderConfig, WeightSender
-    from weightsync.transport import MooncakeConfig, MooncakeTransport
+    import weightsync as ws
+    from weightsync.testing.reference import greedy_tokens
 
     os.environ["MC_LOG_LEVEL"] = "ERROR"
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    export = ModelExport(model, pp_rank=rank, pp_size=2)
-    transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=10))
-    # Small buckets: several per push, so the staging ring actually cycles.
-    sender = WeightSender(
-        SenderConfig(bucket_bytes=64 << 10, timeout_s=10), transport=transport, group=group
+    export = ws.ModelExport(model, pp_rank=rank, pp_size=2)
+    config = ws.SyncConfig(
+        # Small buckets: several per push, so the staging ring actually cycles.
+        sender=ws.SenderConfig(bucket_bytes=64 << 10, timeout_s=10),
+        control=ws.ControlConfig(api_key=API_KEY, check_weight_update_equal=True),
+        transport=ws.MooncakeConfig(protocol="tcp", timeout_s=10),
     )
-    manager = None
-    if rank == 0:
-        config = SyncConfig(api_key=API_KEY, check_weight_update_equal=True)
-        manager = SyncManager(urls, config)
-    sync = TrainerSync(sender, hf_config=model.config, manager=manager, dtype="bfloat16")
+    sync = ws.TrainerSync(
+        config, hf_config=model.config, group=group, replicas=urls, dtype="bfloat16"
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     out: dict = {"syncs": []}
 
@@ -112,6 +97,9 @@ def _scenario(
                 "bit_exact": report.bit_exact,
                 "replicas": list(report.replicas),
                 "bytes_per_replica": dict(report.push.bytes_per_replica),
+                "sources": {
+                    rank: stats.bytes_written for rank, stats in report.push.per_source.items()
+                },
                 "expected": expected,
                 "served": served,
             }
@@ -121,13 +109,12 @@ def _scenario(
         record(sync.sync(export), urls)  # v1: restores the corrupted weights bit-exactly
         step(1)
         record(sync.sync(export), urls)  # v2
-        if rank == 0:
-            manager.add_replica(spare_url)
+        sync.add_replica(spare_url)  # acts on the driver, a no-op on rank 1
         step(2)
         record(sync.sync(export), [*urls, spare_url])  # v3: the new replica too
         removed = urls[0]
+        sync.remove_replica(removed)
         if rank == 0:
-            sync.run(manager.remove_replica(removed))
             # A removed replica that were still contacted would fail the next sync.
             os.killpg(removed_pgid, signal.SIGKILL)
         step(3)
@@ -136,7 +123,7 @@ def _scenario(
         before = _checksums(kept[0]) if rank == 0 else None
         bad = "model.layers.3.self_attn.q_proj.weight"  # held by stage 1 (rank 1)
         try:
-            sync.sync(_ShapeLie(export, bad))
+            sync.sync(_shape_lie(export, bad))
         except LayoutMismatchError as exc:
             out["mismatch"] = str(exc)
         if rank == 0:
@@ -147,7 +134,6 @@ def _scenario(
             )
     finally:
         sync.close()
-        transport.close()
     return out
 
 
@@ -177,6 +163,10 @@ def test_two_stage_trainer_syncs_into_elastic_replicas(tmp_path):
     assert spare_url in syncs[2]["replicas"] and spare_url in syncs[3]["replicas"]
     assert urls[0] not in syncs[3]["replicas"]
     assert syncs[3]["bytes_per_replica"][spare_url] > 0
+    # Every sync reports both ranks' own pushes, and they add up to what was written.
+    for sync in syncs:
+        assert sorted(sync["sources"]) == [0, 1]
+        assert sum(sync["sources"].values()) == sum(sync["bytes_per_replica"].values())
     # The shape mismatch fails on every rank before any write, naming the tensor.
     for result in (driver, follower):
         assert "model.layers.3.self_attn.q_proj.weight" in result["mismatch"]

@@ -21,10 +21,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
+from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.testing.launcher import ServedReplica, start_replicas
 from weightsync.testing.presets import DEMO_PRESETS, preset_config, write_random_checkpoint
 
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 _PROMPTS = ((1, 17, 42, 7), (5, 99, 3, 250, 11, 8), (600, 2, 2, 31))
 
 
@@ -93,7 +93,7 @@ def demo(
                 world_size=trainer_ranks,
                 pp_size=trainer_pp,
                 steps=steps,
-                rollout_dtype=_DTYPES[dtype],
+                rollout_dtype=canonical_dtype_name(dtype),
                 init_method=f"tcp://127.0.0.1:{_free_port()}",
                 bucket_bytes=bucket_mb << 20,
                 prompts=_PROMPTS,
@@ -267,8 +267,8 @@ def _check_args(
         bad("--model", f"choose one of {', '.join(DEMO_PRESETS)}")
     if steps < 0:
         bad("--steps", "must not be negative")
-    if dtype not in _DTYPES:
-        bad("--dtype", f"choose one of {', '.join(_DTYPES)}")
+    if dtype not in ROLLOUT_DTYPE_CHOICES:
+        bad("--dtype", f"choose one of {', '.join(ROLLOUT_DTYPE_CHOICES)}")
     if rollout_ep > 1 and not preset_config(model)["model_type"].endswith("moe"):
         bad("--rollout-ep", f"expert parallelism needs an MoE model (e.g. tiny-moe), not {model}")
 

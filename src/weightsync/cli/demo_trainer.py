@@ -8,13 +8,12 @@ holds. Every rank takes part in each sync as a source.
 
 from __future__ import annotations
 
-import copy
+import asyncio
 import os
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import torch
 
 
@@ -66,11 +65,10 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    import weightsync as ws
     from weightsync.checkpoint import load_config_dict
-    from weightsync.manager import SyncConfig, SyncManager, TrainerSync
-    from weightsync.sender import ModelExport, SenderConfig, WeightSender
+    from weightsync.testing.reference import greedy_tokens, served_tokens
     from weightsync.torch_dtypes import torch_dtype
-    from weightsync.transport import MooncakeConfig, MooncakeTransport
 
     dist.init_process_group(
         "gloo", init_method=args.init_method, rank=rank, world_size=args.world_size
@@ -81,20 +79,19 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    export = ModelExport(model, pp_rank=rank % args.pp_size, pp_size=args.pp_size)
-
-    transport = MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=args.transfer_timeout_s))
-    sender = WeightSender(
-        SenderConfig(bucket_bytes=args.bucket_bytes, timeout_s=args.transfer_timeout_s),
-        transport=transport,
-        group=group,
+    export = ws.ModelExport(model, pp_rank=rank % args.pp_size, pp_size=args.pp_size)
+    config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=args.bucket_bytes, timeout_s=args.transfer_timeout_s),
+        control=ws.ControlConfig(api_key=args.api_key, check_weight_update_equal=True),
+        transport=ws.MooncakeConfig(protocol="tcp", timeout_s=args.transfer_timeout_s),
     )
-    manager = None
-    if rank == 0:
-        manager = SyncManager(
-            args.replica_urls, SyncConfig(api_key=args.api_key, check_weight_update_equal=True)
-        )
-    sync = TrainerSync(sender, hf_config=hf_config, manager=manager, dtype=args.rollout_dtype)
+    sync = ws.TrainerSync(
+        config,
+        hf_config=hf_config,
+        group=group,
+        replicas=args.replica_urls,
+        dtype=args.rollout_dtype,
+    )
     rollout_dtype = torch_dtype(args.rollout_dtype)
     try:
         for step in range(args.steps + 1):
@@ -102,12 +99,14 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
             report = sync.sync(export)
             if rank == 0:
                 expected = greedy_tokens(model, rollout_dtype, args.prompts, args.max_new_tokens)
-                actual = {
-                    url: [
-                        _generate(url, p, args.max_new_tokens, args.api_key) for p in args.prompts
-                    ]
-                    for url in args.replica_urls
-                }
+                actual = asyncio.run(
+                    served_tokens(
+                        args.replica_urls,
+                        args.prompts,
+                        max_new_tokens=args.max_new_tokens,
+                        api_key=args.api_key,
+                    )
+                )
                 events.put(
                     {
                         "kind": "sync",
@@ -121,7 +120,6 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
                 )
     finally:
         sync.close()
-        transport.close()
         dist.destroy_process_group()
 
 
@@ -142,41 +140,3 @@ def _train_step(model: Any, optimizer: Any, rank: int, step: int, group: Any) ->
             param.grad.div_(world)
     optimizer.step()
     return float(loss.detach())
-
-
-@torch.inference_mode()
-def greedy_tokens(
-    model: Any, dtype: torch.dtype, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int
-) -> list[list[int]]:
-    """Greedy tokens of the trainer's model with its weights rounded to the rollout dtype.
-
-    The rollout holds the weights in `dtype` and computes in float32, so rounding the trainer
-    weights the same way gives the tokens a correct rollout must produce.
-    """
-    ref = copy.deepcopy(model).eval()
-    for param in ref.parameters():
-        param.data = param.data.to(dtype).to(torch.float32)
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        new: list[int] = []
-        for _ in range(max_new_tokens):
-            token = int(ref(input_ids=ids).logits[0, -1].argmax())
-            new.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        outputs.append(new)
-    return outputs
-
-
-def _generate(url: str, prompt: tuple[int, ...], max_new_tokens: int, api_key: str) -> list[int]:
-    response = httpx.post(
-        f"{url}/generate",
-        headers={"Authorization": f"Bearer {api_key}"},
-        json={
-            "input_ids": list(prompt),
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-        },
-        timeout=120.0,
-    )
-    response.raise_for_status()
-    return list(response.json()["output_ids"])

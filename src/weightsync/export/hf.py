@@ -15,17 +15,20 @@ from typing import Any
 
 import torch
 
+from weightsync.export.base import ViewExport
 from weightsync.layout.names import EMBED_TOKENS, LM_HEAD
 from weightsync.plan import stage_layers
-from weightsync.plan.types import TensorMeta
 
 _LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 _FUSED_GATE_UP_RE = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 _FUSED_DOWN_RE = re.compile(r"^(.*\.experts)\.down_proj$")
 
 
-class ModelExport:
+class ModelExport(ViewExport):
     """One pipeline stage of a model as a re-iterable ``(hf_name, tensor)`` stream.
+
+    A `weightsync.WeightExport`: its geometry is read once and kept while the model's
+    tensors stay where they are (same names, addresses, shapes, strides and dtypes).
 
     Stage ``pp_rank`` of ``pp_size`` holds a contiguous slice of the decoder layers
     (`weightsync.plan.stage_layers`, the split the plan's simulator uses); stage 0 also holds
@@ -69,6 +72,7 @@ class ModelExport:
             )
         if layer_offset < 0:
             raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
+        super().__init__()
         self._model = model
         self.pp_rank = pp_rank
         self.pp_size = pp_size
@@ -81,17 +85,59 @@ class ModelExport:
         self.layers: range | None = (
             stage_layers(int(num_layers), pp_size)[pp_rank] if num_layers is not None else None
         )
+        self._plan: list[tuple[str, str, tuple[str, ...]]] = []
+        self._plan_key: Any = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield this stage's HF tensors, as views of the model's tensors."""
-        state = (
-            self._model.state_dict() if isinstance(self._model, torch.nn.Module) else self._model
-        )
+        state = self._state()
         tied = self._tied
         if tied is None:
             tied = _same_memory(state.get(LM_HEAD), state.get(EMBED_TOKENS))
+        for key, kind, names in self._stream_plan(state, bool(tied)):
+            tensor = state[key].detach()
+            if kind is _WHOLE:
+                yield names[0], tensor
+            elif kind is _GATE_UP:
+                half = tensor.shape[1] // 2
+                for expert in range(tensor.shape[0]):
+                    yield names[2 * expert], tensor[expert, :half]
+                    yield names[2 * expert + 1], tensor[expert, half:]
+            else:
+                for expert in range(tensor.shape[0]):
+                    yield names[expert], tensor[expert]
+
+    def memory_key(self) -> tuple:
+        """The names, addresses, shapes, strides, dtypes and devices of the model's tensors:
+        while they stay the same, so does the stream's geometry."""
+        return tuple(
+            (name, t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
+            for name, t in self._state().items()
+        )
+
+    def _state(self) -> Mapping[str, torch.Tensor]:
+        if isinstance(self._model, torch.nn.Module):
+            return self._model.state_dict(keep_vars=True)
+        return self._model
+
+    def _stream_plan(
+        self, state: Mapping[str, torch.Tensor], tied: bool
+    ) -> list[tuple[str, str, tuple[str, ...]]]:
+        """``(state key, how to expand it, the stream names it yields)`` per state entry the
+        stage yields; decided once per set of names and shapes (the decision reads names
+        with regular expressions, which would otherwise cost more than the stream itself)."""
+        key = (tied, tuple((name, t.shape) for name, t in state.items()))
+        if key != self._plan_key:
+            self._plan = self._decide(state, tied)
+            self._plan_key = key
+        return self._plan
+
+    def _decide(
+        self, state: Mapping[str, torch.Tensor], tied: bool
+    ) -> list[tuple[str, str, tuple[str, ...]]]:
         first = self.pp_rank == 0
         last = self.pp_rank == self.pp_size - 1
+        plan: list[tuple[str, str, tuple[str, ...]]] = []
         for name, tensor in state.items():
             match = _LAYER_RE.match(name)
             if match is not None:
@@ -104,22 +150,42 @@ class ModelExport:
                             f"{self.layers.start}..{self.layers.stop - 1}"
                         )
                     continue
-                yield from _expand(f"{match.group(1)}{layer}{match.group(3)}", tensor)
+                plan.append((name, *_expansion(f"{match.group(1)}{layer}{match.group(3)}", tensor)))
             elif name == EMBED_TOKENS:
                 if first or (tied and last):
-                    yield name, tensor.detach()
+                    plan.append((name, _WHOLE, (name,)))
             elif name == LM_HEAD:
                 if last and not tied:
-                    yield name, tensor.detach()
+                    plan.append((name, _WHOLE, (name,)))
             elif last:
-                yield name, tensor.detach()
+                plan.append((name, _WHOLE, (name,)))
+        return plan
 
-    def metas(self) -> dict[str, TensorMeta]:
-        """``{hf_name: TensorMeta}`` of the stream, in its order (no tensor data is copied)."""
-        return {
-            name: TensorMeta(shape=tuple(tensor.shape), dtype=str(tensor.dtype))
-            for name, tensor in self
-        }
+
+class TensorsExport(ViewExport):
+    """A mapping of HF names to tensors, exported as it is (in its order, no stage filter).
+
+    For callers that already hold their rank's tensors under HF names with global layer
+    numbers (their own conversion, or another framework's ``(name, tensor)`` stream
+    collected into a dict of views).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Export `tensors` (the mapping is read at every iteration, not copied)."""
+        super().__init__()
+        self._tensors = tensors
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The mapping's items, each tensor detached."""
+        for name, tensor in self._tensors.items():
+            yield name, tensor.detach()
+
+    def memory_key(self) -> tuple:
+        """The names, addresses, shapes, strides, dtypes and devices of the tensors."""
+        return tuple(
+            (name, t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
+            for name, t in self._tensors.items()
+        )
 
 
 def hf_state_items(
@@ -138,23 +204,25 @@ def hf_state_items(
     )
 
 
-def _expand(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Per-expert checkpoint tensors for a fused expert parameter; the tensor itself otherwise."""
-    tensor = tensor.detach()
+_WHOLE, _GATE_UP, _DOWN = "whole", "gate_up", "down"
+
+
+def _expansion(name: str, tensor: torch.Tensor) -> tuple[str, tuple[str, ...]]:
+    """How a stream entry named `name` expands: per-expert checkpoint tensors for a fused
+    expert parameter (``(kind, names)``), the tensor itself otherwise."""
     gate_up = _FUSED_GATE_UP_RE.match(name)
     if gate_up is not None and tensor.dim() == 3:
-        half = tensor.shape[1] // 2
+        names = []
         for expert in range(tensor.shape[0]):
             prefix = f"{gate_up.group(1)}.{expert}."
-            yield prefix + "gate_proj.weight", tensor[expert, :half]
-            yield prefix + "up_proj.weight", tensor[expert, half:]
-        return
+            names += [prefix + "gate_proj.weight", prefix + "up_proj.weight"]
+        return _GATE_UP, tuple(names)
     down = _FUSED_DOWN_RE.match(name)
     if down is not None and tensor.dim() == 3:
-        for expert in range(tensor.shape[0]):
-            yield f"{down.group(1)}.{expert}.down_proj.weight", tensor[expert]
-        return
-    yield name, tensor
+        return _DOWN, tuple(
+            f"{down.group(1)}.{expert}.down_proj.weight" for expert in range(tensor.shape[0])
+        )
+    return _WHOLE, (name,)
 
 
 def _config_value(config: Any, key: str) -> Any:

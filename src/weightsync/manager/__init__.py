@@ -1,11 +1,13 @@
-"""The control side of a sync: the update lifecycle over every replica, and the trainer glue."""
+"""The control side of a sync: `TrainerSync` (the front door), `SyncManager` (the update
+lifecycle over every replica), and the typed driver↔rank messages (`collective`)."""
 
-from weightsync.manager.config import SyncConfig
+from weightsync.manager.config import ControlConfig, SyncConfig
 from weightsync.manager.manager import PushFn, SyncManager
 from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
 from weightsync.manager.trainer import TrainerSync
 
 __all__ = [
+    "ControlConfig",
     "PhaseTimes",
     "PushFn",
     "PushSummary",

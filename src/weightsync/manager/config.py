@@ -1,15 +1,21 @@
-"""Configuration of the control-plane side of a sync."""
+"""Configuration of a sync: the nested `SyncConfig` and its control-plane part, `ControlConfig`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import get_args
 
-_PAUSE_MODES = ("abort", "retract", "in_place")
-_SELECTORS = ("target", "draft", "all")
+from weightsync.control.models import PauseMode, Selector
+from weightsync.sender.config import SenderConfig
+from weightsync.transport import CudaIpcConfig, MooncakeConfig, TransportConfig
+
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+SELECTORS: tuple[str, ...] = get_args(Selector)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SyncConfig:
+class ControlConfig:
     """How `SyncManager` drives the rollout replicas through an update.
 
     Attributes:
@@ -22,6 +28,9 @@ class SyncConfig:
         release_kv_cache: release the KV cache during the update and resume it after.
         http_timeout_s: per-request timeout of control-plane calls.
         check_timeout_s: timeout of the weights checker's calls (they touch every parameter).
+
+    Raises:
+        ValueError: an unknown pause mode or selector, or a timeout that is not positive.
     """
 
     api_key: str | None = None
@@ -34,12 +43,47 @@ class SyncConfig:
     check_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.pause_mode not in _PAUSE_MODES:
+        if self.pause_mode not in PAUSE_MODES:
             raise ValueError(
-                f"SyncConfig.pause_mode={self.pause_mode!r}: choose one of {_PAUSE_MODES}"
+                f"ControlConfig.pause_mode={self.pause_mode!r}: choose one of {PAUSE_MODES}"
             )
-        if self.selector not in _SELECTORS:
-            raise ValueError(f"SyncConfig.selector={self.selector!r}: choose one of {_SELECTORS}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"ControlConfig.selector={self.selector!r}: choose one of {SELECTORS}")
         for name in ("http_timeout_s", "check_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SyncConfig.{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"ControlConfig.{name} must be positive, got {value!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("ControlConfig.api_key must not be empty; use None for no key")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncConfig:
+    """Everything a `TrainerSync` needs to know, one part per component.
+
+    Attributes:
+        sender: how each rank stages and writes its share (`SenderConfig`).
+        control: how the driver rank runs the update lifecycle (`ControlConfig`).
+        transport: which transport every rank writes with, and how: a `MooncakeConfig`
+            (RDMA / TCP) or a `CudaIpcConfig` (GPUs of one host).
+
+    Raises:
+        ValueError: a part of the wrong type.
+    """
+
+    sender: SenderConfig = field(default_factory=SenderConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    transport: TransportConfig = field(default_factory=MooncakeConfig)
+
+    def __post_init__(self) -> None:
+        for name, kind in (("sender", SenderConfig), ("control", ControlConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(
+                    f"SyncConfig.{name} must be a {kind.__name__}, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
+        if not isinstance(self.transport, MooncakeConfig | CudaIpcConfig):
+            raise ValueError(
+                "SyncConfig.transport must be a MooncakeConfig or a CudaIpcConfig, got "
+                f"{type(self.transport).__name__}"
+            )

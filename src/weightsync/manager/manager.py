@@ -10,7 +10,7 @@ from typing import Any
 
 from weightsync.control import RolloutClient
 from weightsync.errors import LayoutMismatchError, RemoteReplicaError, WeightSyncError
-from weightsync.manager.config import SyncConfig
+from weightsync.manager.config import ControlConfig
 from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
 from weightsync.plan import TargetRank
 
@@ -48,9 +48,9 @@ class SyncManager:
     rank 0); it is not thread-safe, and its coroutines must run on one event loop.
     """
 
-    def __init__(self, replicas: Sequence[str] = (), config: SyncConfig | None = None) -> None:
+    def __init__(self, replicas: Sequence[str] = (), config: ControlConfig | None = None) -> None:
         """Create a manager for `replicas` (base URLs of their main HTTP servers)."""
-        self._config = config or SyncConfig()
+        self._config = config or ControlConfig()
         self._replicas: list[str] = []
         self._clients: dict[str, RolloutClient] = {}
         self._targets: tuple[TargetRank, ...] | None = None
@@ -60,10 +60,10 @@ class SyncManager:
         self._armed: set[str] = set()
         self._dirty: set[str] = set()
         for url in replicas:
-            self.add_replica(url)
+            self._add(url)
 
     @property
-    def config(self) -> SyncConfig:
+    def config(self) -> ControlConfig:
         """The manager's configuration."""
         return self._config
 
@@ -83,12 +83,15 @@ class SyncManager:
         """Counts metadata refreshes; changes whenever the targets of a push change."""
         return self._epoch
 
-    def add_replica(self, url: str) -> None:
+    async def add_replica(self, url: str) -> None:
         """Add a replica (scale up); the next update fetches metadata again.
 
         Raises:
             ValueError: the replica is already managed.
         """
+        self._add(url)
+
+    def _add(self, url: str) -> None:
         url = url.rstrip("/")
         if url in self._clients:
             raise ValueError(f"replica {url} is already managed")

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.sender import PushStats
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PushSummary:
@@ -18,8 +20,9 @@ class PushSummary:
         num_regions: destination regions before coalescing.
         bytes_per_replica: bytes written into each replica (by replica URL).
         seconds_per_source: wall time of each source rank's push (by source rank).
-        replayed: every source replayed its recorded push of the plan (see
-            ``PushStats.replayed``).
+        cached_program: every source ran a push program cached from an earlier push (see
+            ``PushStats.cached_program``).
+        per_source: every source rank's own `PushStats`, by rank.
     """
 
     bytes_written: int
@@ -28,7 +31,8 @@ class PushSummary:
     num_regions: int
     bytes_per_replica: Mapping[str, int] = field(default_factory=dict)
     seconds_per_source: Mapping[int, float] = field(default_factory=dict)
-    replayed: bool = False
+    cached_program: bool = False
+    per_source: Mapping[int, PushStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,7 +111,7 @@ class SyncReport:
             "num_writes": self.num_writes,
             "num_regions": self.push.num_regions,
             "metadata_refreshed": self.metadata_refreshed,
-            "replayed": self.push.replayed,
+            "cached_program": self.push.cached_program,
             "bit_exact": self.bit_exact,
             "phases": {
                 "pause": self.phases.pause,
@@ -117,4 +121,16 @@ class SyncReport:
                 "resume": self.phases.resume,
             },
             "bytes_per_replica": dict(self.push.bytes_per_replica),
+            "sources": {
+                str(rank): {
+                    "bytes_written": stats.bytes_written,
+                    "num_writes": stats.num_writes,
+                    "seconds": stats.seconds,
+                    "lower_seconds": stats.lower_seconds,
+                    "fill_seconds": stats.fill_seconds,
+                    "write_seconds": stats.write_seconds,
+                    "cached_program": stats.cached_program,
+                }
+                for rank, stats in self.push.per_source.items()
+            },
         }

@@ -1,107 +1,183 @@
-"""`TrainerSync`: one weight sync as a collective call over the trainer's ranks."""
+"""`TrainerSync`: the front door. One weight sync as a collective call over the trainer's ranks."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from weightsync.export.base import WeightExport
+from weightsync.manager.collective import (
+    Collective,
+    NoPush,
+    PushOrder,
+    RankOutcome,
+    SyncDone,
+    SyncFailed,
+)
+from weightsync.manager.config import SyncConfig
 from weightsync.manager.manager import SyncManager
 from weightsync.manager.report import PushSummary, SyncReport
 from weightsync.plan import SourceHolding, SourcePlan, TargetRank, build_plan
-from weightsync.sender import ModelExport, PushStats, WeightSender
+from weightsync.sender import WeightSender
+from weightsync.transport import Transport, open_transport
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Outcome:
-    """What one source rank reports back to the driver after its push."""
-
-    rank: int
-    stats: PushStats | None
-    error: BaseException | None
-
-
 class TrainerSync:
-    """Runs `SyncManager.update_weights` with every trainer rank as a source.
+    """Pushes every trainer rank's weights into every rollout replica after each step.
+
+    It builds and owns what a sync needs: the rank's transport (from ``config.transport``),
+    its `WeightSender`, and on the driver rank (group rank 0) the `SyncManager` that runs the
+    update lifecycle over the replicas; `close` (or leaving the ``with`` block) closes them.
 
     Call protocol (every rank of the trainer group, the same number of times):
 
-    1. every rank builds ``TrainerSync(sender, hf_config=..., manager=...)``, passing the
-       `SyncManager` on the driver rank (group rank 0) and ``None`` elsewhere;
-    2. after each optimizer step every rank calls ``sync(export)`` with its PP-local export;
-       the driver runs the lifecycle and, when it is time to push, builds and validates the
-       plan (once per set of targets and holdings) and scatters each rank its share; every
-       rank writes its share, and the driver finishes the lifecycle; every rank returns the
-       same `SyncReport` or raises the same error;
-    3. ``close()`` on every rank.
+    1. every rank builds ``TrainerSync(config, hf_config=..., group=..., replicas=...)``
+       (the replicas matter on the driver; other ranks may pass the same list);
+    2. after each optimizer step every rank calls ``sync(export)`` with its PP-local
+       `WeightExport`: the driver runs the lifecycle and, when it is time to push, builds
+       and validates the plan (once per set of targets and holdings) and hands every rank its
+       share (`weightsync.manager.collective`); every rank writes its share, and the driver
+       finishes the lifecycle; every rank returns the same `SyncReport` or raises the same
+       error;
+    3. ``add_replica`` / ``remove_replica`` between syncs (they act on the driver and do
+       nothing elsewhere, so SPMD code may call them on every rank);
+    4. ``close()`` on every rank.
 
     The driver runs the manager's coroutines on an event loop of its own (a daemon thread),
-    so a training loop without asyncio can drive it.
+    so a training loop without asyncio can drive it; blocking work (the collectives, the
+    push) runs in worker threads, never on that loop.
+
+    Args:
+        config: the sender, control-plane and transport settings.
+        hf_config: the model's HF config (object or config.json dict).
+        group: the trainer's torch.distributed process group, or None for one process.
+        replicas: the rollout replicas' base URLs (used on the driver rank).
+        dtype: the rollout dtype name; default: the config's.
+        transport: a transport opened by the caller, used instead of one built from
+            ``config.transport`` (the caller then closes it).
+
+    Raises:
+        ValueError: a bad config or replica URL.
+        WeightSyncError: the transport could not start.
     """
 
     def __init__(
         self,
-        sender: WeightSender,
+        config: SyncConfig | None = None,
         *,
         hf_config: Any,
-        manager: SyncManager | None = None,
+        group: Any = None,
+        replicas: Sequence[str] = (),
         dtype: str | None = None,
+        transport: Transport | None = None,
     ) -> None:
-        """Bind a rank's sender to the trainer group.
-
-        Args:
-            sender: this rank's sender (its group is the trainer group).
-            hf_config: the model's HF config (object or config.json dict).
-            manager: the `SyncManager` on the driver rank (group rank 0), None elsewhere.
-            dtype: the rollout dtype name; default: the config's.
-
-        Raises:
-            ValueError: a manager on a non-driver rank, or none on the driver.
-        """
-        self._sender = sender
-        self._group = sender.group
-        self._rank = sender.rank
-        self._world_size = sender.world_size
-        if (manager is not None) != (self._rank == 0):
-            raise ValueError(
-                f"TrainerSync: pass the SyncManager on trainer rank 0 only (this is rank "
-                f"{self._rank}, manager {'given' if manager is not None else 'missing'})"
+        self._config = config or SyncConfig()
+        self._owns_transport = transport is None
+        self._transport = (
+            transport if transport is not None else open_transport(self._config.transport)
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._manager: SyncManager | None = None
+        try:
+            self._sender = WeightSender(self._config.sender, transport=self._transport, group=group)
+            self._collective = Collective(
+                group, rank=self._sender.rank, world_size=self._sender.world_size
             )
-        self._manager = manager
+            if self._collective.is_driver:
+                self._manager = SyncManager(replicas, self._config.control)
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=self._loop.run_forever, name="weightsync-manager", daemon=True
+                ).start()
+        except BaseException:
+            if self._owns_transport:
+                self._transport.close()
+            raise
         self._hf_config = hf_config
         self._dtype = dtype
         self._plan: SourcePlan | None = None  # this rank's share of the current plan
         self._plan_key: tuple[int, tuple[SourceHolding, ...]] | None = None  # driver only
-        self._loop: asyncio.AbstractEventLoop | None = None
-        if manager is not None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(
-                target=self._loop.run_forever, name="weightsync-manager", daemon=True
-            ).start()
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the trainer group."""
+        return self._collective.rank
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this rank drives the control plane (group rank 0)."""
+        return self._collective.is_driver
 
     @property
     def manager(self) -> SyncManager | None:
         """The manager on the driver rank, None elsewhere."""
         return self._manager
 
+    @property
+    def sender(self) -> WeightSender:
+        """This rank's sender."""
+        return self._sender
+
+    @property
+    def transport(self) -> Transport:
+        """This rank's transport."""
+        return self._transport
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of the manager (e.g. ``remove_replica``) on the driver's loop."""
+        """Run a coroutine of the manager on the driver's event loop and return its result.
+
+        Raises:
+            ValueError: not the driver rank, or the sync is closed.
+        """
         if self._loop is None:
-            raise ValueError("TrainerSync.run is for the driver rank (rank 0) only")
+            coro.close()
+            raise ValueError("TrainerSync.run is for the driver rank (rank 0) of an open sync")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def sync(self, export: ModelExport, *, version: str | None = None) -> SyncReport:
+    def add_replica(self, url: str) -> None:
+        """Add a rollout replica (scale up); the next sync fetches its metadata.
+
+        Acts on the driver rank; a no-op elsewhere.
+
+        Raises:
+            ValueError: the replica is already managed.
+        """
+        if self._manager is not None:
+            self.run(self._manager.add_replica(url))
+
+    def remove_replica(self, url: str) -> None:
+        """Stop writing to a rollout replica (scale down).
+
+        Acts on the driver rank; a no-op elsewhere.
+
+        Raises:
+            ValueError: the replica is not managed.
+        """
+        if self._manager is not None:
+            self.run(self._manager.remove_replica(url))
+
+    def sync(self, export: WeightExport, *, version: str | None = None) -> SyncReport:
         """Push this rank's weights into every replica; collective over the trainer group.
+
+        Args:
+            export: this rank's PP-local weights (a `weightsync.WeightExport`).
+            version: the new weight version; default: one more than the last.
+
+        Returns:
+            What the sync did, with every rank's `PushStats` in ``report.push.per_source``.
 
         Raises:
             LayoutMismatchError: the plan was refused before any write (every rank raises
                 it; the replicas serve their previous weights).
             WeightSyncError / ValueError: as `SyncManager.update_weights` raised on the driver.
         """
+        if self._closed:
+            raise ValueError("sync() on a closed TrainerSync")
         holdings = tuple(self._sender.gather_holdings(export))
         if self._manager is None:
             return self._follow(export)
@@ -113,36 +189,49 @@ class TrainerSync:
             # mismatch fails the sync with nothing written.
             plans = await asyncio.to_thread(self._source_plans, targets, epoch, holdings)
             pushed = True
-            self._broadcast(("push", plans is not None, 0))
-            return await asyncio.to_thread(self._push, export, targets, plans)
+            order = PushOrder(new_plan=plans is not None)
+            await asyncio.to_thread(self._collective.broadcast, order, (PushOrder,))
+            return await asyncio.to_thread(self._push, export, targets, order, plans)
 
         try:
             report = self.run(self._manager.update_weights(push, version=version))
         except BaseException as exc:
             if not pushed:
-                self._broadcast(("abort", False, 0))
-            self._broadcast(("failed", exc, 0))
+                self._collective.broadcast(NoPush(), (NoPush,))
+            self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
             raise
-        self._broadcast(("done", report, 0))
+        self._collective.broadcast(SyncDone(report=report), (SyncDone,))
         return report
 
     def close(self) -> None:
-        """Stop the driver's loop and free the sender's staging memory."""
-        if self._loop is not None:
-            if self._manager is not None:
-                self.run(self._manager.aclose())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
-        self._sender.close()
+        """Close the manager (driver), the sender's staging memory and the transport it owns."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._loop is not None and self._manager is not None:
+                asyncio.run_coroutine_threadsafe(self._manager.aclose(), self._loop).result()
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
+            self._sender.close()
+        finally:
+            if self._owns_transport:
+                self._transport.close()
 
-    def _follow(self, export: ModelExport) -> SyncReport:
-        kind, new_plan, _ = self._broadcast(None)
-        if kind == "push":
-            self._push(export, (), [None] * self._world_size if new_plan else None)
-        kind, payload, _ = self._broadcast(None)
-        if kind == "failed":
-            raise payload
-        return payload
+    def __enter__(self) -> TrainerSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _follow(self, export: WeightExport) -> SyncReport:
+        order = self._collective.broadcast(None, (PushOrder, NoPush))
+        if isinstance(order, PushOrder):
+            self._push(export, (), order, None)
+        outcome = self._collective.broadcast(None, (SyncDone, SyncFailed))
+        if isinstance(outcome, SyncFailed):
+            raise outcome.error
+        return outcome.report
 
     def _source_plans(
         self,
@@ -162,21 +251,21 @@ class TrainerSync:
 
     def _push(
         self,
-        export: ModelExport,
+        export: WeightExport,
         targets: Sequence[TargetRank],
-        plans: list[SourcePlan | None] | None,
+        order: PushOrder,
+        plans: list[SourcePlan] | None,
     ) -> PushSummary:
         """Every rank: receive its new plan (if any), write its share, report to the driver."""
         try:
-            if plans is not None:
-                self._plan = self._scatter(plans)
+            if order.new_plan:
+                self._plan = self._collective.scatter(plans, SourcePlan)
             if self._plan is None:
-                raise ValueError(f"trainer rank {self._rank} has no plan to push")
-            stats = self._sender.push(self._plan, export)
-            outcome = _Outcome(rank=self._rank, stats=stats, error=None)
+                raise ValueError(f"trainer rank {self.rank} has no plan to push")
+            outcome = RankOutcome(rank=self.rank, stats=self._sender.push(self._plan, export))
         except Exception as exc:  # reported to the driver, which raises it for everyone
-            outcome = _Outcome(rank=self._rank, stats=None, error=exc)
-        outcomes = self._gather(outcome)
+            outcome = RankOutcome(rank=self.rank, error=exc)
+        outcomes = self._collective.gather(outcome, RankOutcome)
         if outcomes is None:
             return PushSummary(bytes_written=0, bytes_staged=0, num_writes=0, num_regions=0)
         failed = [o for o in outcomes if o.error is not None]
@@ -184,54 +273,22 @@ class TrainerSync:
             raise failed[0].error
         return _summarize(outcomes, targets)
 
-    def _src(self) -> int:
-        import torch.distributed as dist
 
-        return 0 if self._group is None else dist.get_global_rank(self._group, 0)
-
-    def _broadcast(self, obj: Any) -> Any:
-        if self._world_size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._src(), group=self._group)
-        return box[0]
-
-    def _scatter(self, plans: list[SourcePlan | None]) -> SourcePlan:
-        if self._world_size == 1:
-            return plans[0]
-        import torch.distributed as dist
-
-        box: list[Any] = [None]
-        dist.scatter_object_list(
-            box, plans if self._rank == 0 else None, src=self._src(), group=self._group
-        )
-        return box[0]
-
-    def _gather(self, outcome: _Outcome) -> list[_Outcome] | None:
-        if self._world_size == 1:
-            return [outcome]
-        import torch.distributed as dist
-
-        gathered: list[Any] | None = [None] * self._world_size if self._rank == 0 else None
-        dist.gather_object(outcome, gathered, dst=self._src(), group=self._group)
-        return gathered
-
-
-def _summarize(outcomes: Sequence[_Outcome], targets: Sequence[TargetRank]) -> PushSummary:
+def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -> PushSummary:
     per_replica: dict[str, int] = {}
     session_to_replica = {t.session_id: t.replica for t in targets}
-    for o in outcomes:
-        for session_id, num_bytes in o.stats.bytes_per_target.items():
+    stats = {o.rank: o.stats for o in outcomes if o.stats is not None}
+    for rank_stats in stats.values():
+        for session_id, num_bytes in rank_stats.bytes_per_target.items():
             replica = session_to_replica.get(session_id, session_id)
             per_replica[replica] = per_replica.get(replica, 0) + num_bytes
     return PushSummary(
-        bytes_written=sum(o.stats.bytes_written for o in outcomes),
-        bytes_staged=sum(o.stats.bytes_staged for o in outcomes),
-        num_writes=sum(o.stats.num_writes for o in outcomes),
-        num_regions=sum(o.stats.num_regions for o in outcomes),
+        bytes_written=sum(s.bytes_written for s in stats.values()),
+        bytes_staged=sum(s.bytes_staged for s in stats.values()),
+        num_writes=sum(s.num_writes for s in stats.values()),
+        num_regions=sum(s.num_regions for s in stats.values()),
         bytes_per_replica=per_replica,
-        seconds_per_source={o.rank: o.stats.seconds for o in outcomes},
-        replayed=all(o.stats.replayed for o in outcomes),
+        seconds_per_source={rank: s.seconds for rank, s in stats.items()},
+        cached_program=all(s.cached_program for s in stats.values()),
+        per_source=stats,
     )

@@ -269,6 +269,7 @@ def _source_plans(
             dtype=plan_dtype,
             work=work,
             targets={layout_id: groups[layout_id].targets for layout_id in layout_ids},
+            shapes={hf_name: tuple(source.tensors[hf_name].shape) for hf_name in work},
         )
     return plans
 

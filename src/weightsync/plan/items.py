@@ -117,12 +117,15 @@ class SourcePlan:
         work: ``{hf_name: (StageWork, ...)}`` in the order the source yields its tensors, each
             tuple sorted by layout id.
         targets: ``{layout_id: targets}`` for every layout this source writes to.
+        shapes: ``{hf_name: shape}`` of the tensors in `work`, as the source declared them
+            when the plan was built.
     """
 
     rank: int
     dtype: str
     work: Mapping[str, tuple[StageWork, ...]] = field(hash=False)
     targets: Mapping[int, tuple[TargetRank, ...]] = field(hash=False)
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict, hash=False)
 
     @property
     def num_bytes_staged(self) -> int:

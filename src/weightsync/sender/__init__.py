@@ -1,13 +1,11 @@
-"""The trainer side of a sync: stage a rank's HF tensors and write them into the rollout.
+"""The trainer side of a sync: execute a rank's push program into the rollout's memory.
 
-`WeightSender` executes one trainer rank's `SourcePlan` through a staging ring and a
-`weightsync.transport.Transport`; `ModelExport` turns a model into the PP-local
-``(hf_name, tensor)`` stream it consumes.
+`WeightSender` runs one trainer rank's `SourcePlan`, lowered into a push program
+(`weightsync.plan.program`), through a staging ring and a `weightsync.transport.Transport`.
 """
 
-from weightsync.export.hf import ModelExport, hf_state_items
 from weightsync.sender.config import SenderConfig
 from weightsync.sender.sender import WeightSender
 from weightsync.sender.stats import PushStats
 
-__all__ = ["ModelExport", "PushStats", "SenderConfig", "WeightSender", "hf_state_items"]
+__all__ = ["PushStats", "SenderConfig", "WeightSender"]

@@ -1,27 +1,30 @@
-"""`WeightSender`: one trainer rank's side of a sync, from its HF tensors to the targets."""
+"""`WeightSender`: one trainer rank's side of a sync, from its export to the targets."""
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections import Counter
-from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.export.base import WeightExport
+from weightsync.plan.geometry import StreamGeometry
 from weightsync.plan.items import SourcePlan
-from weightsync.plan.types import SourceHolding, TensorMeta
+from weightsync.plan.program import PushProgram, StagingSpec, lower_push
+from weightsync.plan.types import SourceHolding
 from weightsync.sender.config import SenderConfig
+from weightsync.sender.executor import ProgramRun
 from weightsync.sender.fill import SlotFiller
-from weightsync.sender.push import PushRun
-from weightsync.sender.replay import PushScript, ReplayMismatch, ScriptRecorder, ScriptReplay
 from weightsync.sender.staging import StagingRing, transport_reads
 from weightsync.sender.stats import PushStats
 from weightsync.sender.writes import WriteQueue
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
+
+# Programs kept per plan: one per stream geometry a rank alternates between (say, a model
+# whose memory moves between two layouts); more would only hold memory.
+_MAX_PROGRAMS = 4
 
 
 class WeightSender:
@@ -33,26 +36,19 @@ class WeightSender:
        rollout's targets, to `weightsync.plan.build_plan`;
     2. ``sender.push(plan.for_source(sender.rank), export)`` after every optimizer step (the
        plan is reused until the targets change);
-    3. ``release()`` before a trainer checkpoint save and ``restore()`` after it, if host
-       memory is tight;
+    3. ``release()`` before a trainer checkpoint save and ``restore()`` after it, if memory
+       is tight;
     4. ``close()`` at the end.
 
-    A push streams the tensors once. Each tensor the plan needs is packed, per destination
-    layout, into buckets of at most ``bucket_bytes``; each bucket is copied (and cast) into a
-    slot of a staging ring registered with the transport once, then written to every target
-    of its layout, adjacent runs coalesced. A slot is filled in chunks of about
-    ``chunk_bytes`` and each chunk's writes start as soon as it is filled, so the fill overlaps
-    the writes even when a push has a single bucket; filling the next slot overlaps the
-    writes of the previous one too. Staging memory is ``num_slots * bucket_bytes``, on the
-    host (pinned when CUDA is available) or, for CUDA tensors and a transport that reads GPU
-    memory, on the GPU. With a stream-ordered transport (CUDA IPC) a chunk's writes wait for
-    its copies on the GPU, so the host never blocks on them.
-
-    The first push of a plan is recorded; a later push of the same plan whose stream yields
-    the same names in the same order with the same geometry replays the recording instead of
-    packing again (`weightsync.sender.replay`; ``PushStats.replayed``). A stream that differs
-    falls back to a normal push from that tensor on, and the next push records again.
-    The sender does not own the transport: closing it is the caller's job.
+    A push runs a program (`weightsync.plan.program`) lowered from the plan and the export's
+    geometry: each tensor the plan needs is copied (and cast) into a staging ring registered
+    with the transport once, in chunks whose writes go out as soon as they are filled, so a
+    push overlaps its fills with its writes. Staging memory is ``num_slots * bucket_bytes``,
+    on the host (pinned when CUDA is available) or, for CUDA tensors and a transport that
+    reads GPU memory, on the GPU. Programs are cached per plan and geometry: a later push
+    whose stream lies in memory the same way runs the same program with no planning left
+    (``PushStats.cached_program``); one whose geometry changed gets a new program before it
+    writes anything. The sender does not own the transport: closing it is the caller's job.
     """
 
     def __init__(self, config: SenderConfig, *, transport: Transport, group: Any = None) -> None:
@@ -81,12 +77,14 @@ class WeightSender:
             timeout_s=config.timeout_s,
             max_outstanding_per_peer=config.max_outstanding_per_peer,
         )
-        self._declared: dict[str, tuple[int, ...]] = {}
-        # Per-plan facts kept between pushes of the same plan (compared by identity).
-        self._cached_plan: SourcePlan | None = None
-        self._checked_shapes: dict[str, tuple[int, ...]] = {}
-        self._script: PushScript | None = None
+        self._plan: SourcePlan | None = None
+        self._programs: list[PushProgram] = []
         self._closed = False
+
+    @property
+    def transport(self) -> Transport:
+        """The transport the sender writes with."""
+        return self._transport
 
     @property
     def staging_bytes(self) -> int:
@@ -98,40 +96,20 @@ class WeightSender:
         """Where the staging ring lives, once the first push chose it."""
         return self._ring.device if self._ring is not None else None
 
-    def holding(self, export: Any) -> SourceHolding:
+    def holding(self, export: WeightExport) -> SourceHolding:
         """What this rank can produce, for the plan.
 
-        Args:
-            export: a `ModelExport` (anything with ``metas() -> {hf_name: TensorMeta}``), or
-                a mapping ``{hf_name: TensorMeta | torch.Tensor}``.
-
-        Returns:
-            ``SourceHolding(rank=self.rank, tensors=...)``; `push` later checks each tensor
-            against the shapes declared here.
-
         Raises:
-            ValueError: `export` is none of the accepted kinds.
+            ValueError: `export` is not a `WeightExport`, or its stream is malformed.
         """
-        if hasattr(export, "metas"):
-            metas = dict(export.metas())
-        elif isinstance(export, Mapping):
-            metas = {
-                name: value
-                if isinstance(value, TensorMeta)
-                else TensorMeta(shape=tuple(value.shape), dtype=str(value.dtype))
-                for name, value in export.items()
-            }
-        else:
+        if not isinstance(export, WeightExport):
             raise ValueError(
-                "holding() takes a ModelExport or a mapping {hf_name: TensorMeta | Tensor}, "
-                f"got {type(export).__name__}"
+                "holding() takes a WeightExport (e.g. weightsync.ModelExport(model)), got "
+                f"{type(export).__name__}"
             )
-        declared = {name: meta.shape for name, meta in metas.items()}
-        if declared != self._declared:
-            self._declared, self._script = declared, None
-        return SourceHolding(rank=self.rank, tensors=metas)
+        return SourceHolding(rank=self.rank, tensors=export.holding())
 
-    def gather_holdings(self, export: Any) -> list[SourceHolding]:
+    def gather_holdings(self, export: WeightExport) -> list[SourceHolding]:
         """Every rank's `holding`, by rank; collective over the group (every rank calls it)."""
         mine = self.holding(export)
         if self.world_size == 1:
@@ -142,102 +120,79 @@ class WeightSender:
         dist.all_gather_object(gathered, mine, group=self.group)
         return sorted(gathered, key=lambda h: h.rank)
 
-    def push(self, plan: SourcePlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> PushStats:
+    def program_for(self, plan: SourcePlan, export: WeightExport) -> tuple[PushProgram, bool]:
+        """The program that pushes `export` for `plan`, and whether it was cached.
+
+        Raises:
+            ValueError: as `weightsync.plan.lower_push` says (a missing tensor, a shape that
+                differs from the plan's, a box out of range); nothing is written.
+        """
+        if plan is not self._plan:
+            self._plan, self._programs = plan, []
+        geometry = export.geometry()
+        staging = self._staging(plan, geometry)
+        for program in self._programs:
+            if program.matches(plan, geometry, staging):
+                return program, True
+        program = lower_push(plan, geometry, staging)
+        self._programs = [program, *self._programs[: _MAX_PROGRAMS - 1]]
+        return program, False
+
+    def push(self, plan: SourcePlan, export: WeightExport) -> PushStats:
         """Write this rank's share of a sync into the plan's targets.
 
         Args:
             plan: ``sync_plan.for_source(self.rank)``.
-            tensors: this rank's PP-local ``(hf_name, tensor)`` stream (a `ModelExport`
-                works); any dtype, cast to ``plan.dtype``. Tensors the plan does not need
-                from this rank are skipped without a copy.
+            export: this rank's PP-local export; its tensors may have any dtype (cast to
+                ``plan.dtype``). Tensors the plan does not need from this rank are skipped
+                without a copy.
 
         Returns:
             What was staged and written, and how long it took.
 
         Raises:
-            ValueError: a tensor the plan needs has a shape other than the one declared in
-                `holding` or too small for the plan's boxes, is yielded twice, or never comes
-                (raised when the stream ends, before the remaining buckets are written); a
-                bad tensor is reported before anything of its bucket is written.
+            ValueError: the export does not hold what the plan needs in the shapes the plan
+                was built for (raised before anything is written), or its stream differs
+                from its geometry (raised before that tensor is staged).
             TransferError: a write failed or timed out; names the target and parameters.
         """
         if self._closed:
             raise ValueError("push() on a closed WeightSender")
-        if plan is not self._cached_plan:
-            self._cached_plan, self._checked_shapes, self._script = plan, {}, None
-        try:
-            return self._push(plan, tensors)
-        except BaseException:
-            self._script = None
-            self._queue.drain()
-            raise
-
-    def _push(self, plan: SourcePlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> PushStats:
-        """Replay the recorded push of `plan` if there is one, else push (and record)."""
         start = time.perf_counter()
-        script = self._script
-        ring = self._ring
-        # A ring freed and allocated again elsewhere voids the recorded write addresses.
-        if (
-            script is not None
-            and ring is not None
-            and ring.allocated
-            and ring.base_addr == script.ring_addr
-        ):
-            return self._replay(script, ring, tensors, start)
-        recorder = ScriptRecorder(plan)
-        stats = self._run(plan, recorder).execute(tensors)
-        ring = self._ring
-        if ring is not None and ring.allocated:
-            self._script = recorder.finish(ring_addr=ring.base_addr)
-        return stats
-
-    def _replay(
-        self,
-        script: PushScript,
-        ring: StagingRing,
-        tensors: Iterable[tuple[str, torch.Tensor]],
-        start: float,
-    ) -> PushStats:
-        dtype = getattr(torch, script.plan.dtype)
-        replay = ScriptReplay(
-            script, ring=ring, filler=self._filler, queue=self._queue, dtype=dtype
-        )
-        try:
-            replay.execute(tensors)
-        except ReplayMismatch as stop:
-            # The stream changed: finish the normal way from where the replay stopped, and
-            # record again at the next push.
-            self._script = None
-            rest = itertools.chain(
-                stop.pending, [stop.current] if stop.current is not None else [], stop.rest
-            )
-            tail = self._run(script.plan, None).execute(rest, done=stop.done)
-            return _merged(stop.counters, tail, replay, start)
-        return PushStats(
-            **script.counters,
-            seconds=time.perf_counter() - start,
-            fill_seconds=replay.fill_seconds,
-            write_seconds=replay.write_seconds,
-            replayed=True,
-        )
-
-    def _run(self, plan: SourcePlan, recorder: ScriptRecorder | None) -> PushRun:
-        return PushRun(
-            plan,
-            config=self.config,
-            ring_for=self._ring_for,
+        program, cached = self.program_for(plan, export)
+        lowered = time.perf_counter()
+        run = ProgramRun(
+            program,
+            ring=self._ring_for(program.staging),
             filler=self._filler,
             queue=self._queue,
-            declared_shapes=self._declared,
-            checked_shapes=self._checked_shapes,
-            recorder=recorder,
+        )
+        try:
+            run.execute(iter(export))
+        except BaseException:
+            self._queue.drain()
+            raise
+        counters = program.counters
+        return PushStats(
+            rank=self.rank,
+            bytes_staged=counters.bytes_staged,
+            bytes_written=counters.bytes_written,
+            num_writes=counters.num_writes,
+            num_regions=counters.num_regions,
+            num_buckets=counters.num_buckets,
+            num_chunks=counters.num_chunks,
+            num_copies=counters.num_copies,
+            seconds=time.perf_counter() - start,
+            lower_seconds=lowered - start,
+            fill_seconds=run.times.fill_s,
+            write_seconds=run.times.write_s,
+            bytes_per_target=dict(counters.bytes_per_target),
+            cached_program=cached,
         )
 
     def release(self) -> None:
         """Unregister and free the staging memory (e.g. before a trainer checkpoint save)."""
         self._queue.drain()
-        self._script = None
         if self._ring is not None:
             self._ring.free()
 
@@ -256,18 +211,39 @@ class WeightSender:
         self._filler.close()
         self._closed = True
 
-    def _ring_for(self, source_device: torch.device) -> StagingRing:
-        """The staging ring, allocated on first use where `config.staging` says."""
-        if self._ring is None:
-            self._ring = StagingRing(
+    def _staging(self, plan: SourcePlan, geometry: StreamGeometry) -> StagingSpec:
+        """Where this push stages: decided by the first tensor the plan reads."""
+        device = torch.device("cpu")
+        for key, tensor in zip(geometry.keys, geometry.tensors, strict=True):
+            if key in plan.work:
+                device = torch.device(tensor.device)
+                break
+        staging_device = self._staging_device(device)
+        return StagingSpec(
+            device=str(staging_device),
+            num_slots=self.config.num_slots,
+            slot_bytes=self.config.slot_bytes,
+            chunk_bytes=self.config.slot_chunk_bytes(staging_device),
+            stream_ordered=bool(getattr(self._transport, "stream_ordered", False)),
+        )
+
+    def _ring_for(self, staging: StagingSpec) -> StagingRing:
+        """The staging ring of `staging`, allocated (and registered) on first use."""
+        ring = self._ring
+        device = torch.device(staging.device)
+        if ring is None or ring.device != device or ring.num_bytes != staging.ring_bytes:
+            if ring is not None:
+                self._queue.drain()
+                ring.free()
+            ring = self._ring = StagingRing(
                 transport=self._transport,
-                num_slots=self.config.num_slots,
-                slot_bytes=self.config.slot_bytes,
-                device=self._staging_device(source_device),
+                num_slots=staging.num_slots,
+                slot_bytes=staging.slot_bytes,
+                device=device,
                 pin_memory=self.config.pin_memory,
             )
-        self._ring.allocate()
-        return self._ring
+        ring.allocate()
+        return ring
 
     def _staging_device(self, device: torch.device) -> torch.device:
         staging = self.config.staging
@@ -282,20 +258,3 @@ class WeightSender:
                 f"{'does not' if on_gpu else 'was not asked'}; use staging='auto' or 'host'"
             )
         return device if readable else torch.device("cpu")
-
-
-def _merged(
-    counters: dict[str, Any], tail: PushStats, replay: ScriptReplay, start: float
-) -> PushStats:
-    """The stats of a push that a replay began and a normal push finished: the counters of
-    both parts added up."""
-    per_target = Counter(counters["bytes_per_target"])
-    per_target.update(tail.bytes_per_target)
-    summed = {k: v + getattr(tail, k) for k, v in counters.items() if k != "bytes_per_target"}
-    return PushStats(
-        **summed,
-        seconds=time.perf_counter() - start,
-        fill_seconds=replay.fill_seconds + tail.fill_seconds,
-        write_seconds=replay.write_seconds + tail.write_seconds,
-        bytes_per_target=dict(per_target),
-    )

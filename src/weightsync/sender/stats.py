@@ -11,6 +11,7 @@ class PushStats:
     """Counters and timings of one push from one trainer rank.
 
     Attributes:
+        rank: the trainer rank that pushed.
         bytes_staged: bytes copied into the staging ring (each layout's bytes once).
         bytes_written: bytes written over all targets.
         num_writes: transport write requests over all targets, after coalescing.
@@ -21,14 +22,17 @@ class PushStats:
         num_copies: copies into staging after fusing (many small expert tensors that are
             views of one fused parameter take one strided copy).
         seconds: wall time of the push.
+        lower_seconds: wall time spent finding or lowering the push program (part of
+            `seconds`).
         fill_seconds: wall time spent filling staging slots.
         write_seconds: wall time spent submitting writes and waiting for them (what the
             fills did not hide).
         bytes_per_target: bytes written to each target, by session id.
-        replayed: the push replayed the recorded first push of its plan (same tensor names,
-            order and geometry), skipping the packing; False for a recording push and for one
-            whose stream changed part-way.
+        cached_program: the push ran the program an earlier push of the same plan lowered
+            for the same stream geometry (no planning left); False when it was lowered now.
     """
+
+    rank: int
 
     bytes_staged: int
     bytes_written: int
@@ -38,10 +42,11 @@ class PushStats:
     num_chunks: int
     num_copies: int
     seconds: float
+    lower_seconds: float
     fill_seconds: float
     write_seconds: float
     bytes_per_target: Mapping[str, int] = field(default_factory=dict)
-    replayed: bool = False
+    cached_program: bool = False
 
     @property
     def write_gbps(self) -> float:

@@ -1,85 +1,28 @@
-"""Writes from a staging slot to the targets: coalescing, flow control, errors by parameter."""
+"""Writes from the staging ring to the targets: flow control, waits per slot, errors by
+parameter."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import TransferError
 from weightsync.plan.types import TargetRank
-from weightsync.sender.buckets import Region
+from weightsync.plan.writes import WriteRun
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Write:
-    """One transport write request and the parameter its bytes belong to.
-
-    Attributes:
-        src_addr: staging address.
-        dst_addr: target address.
-        num_bytes: length.
-        param_name: the parameter written.
-    """
-
-    src_addr: int
-    dst_addr: int
-    num_bytes: int
-    param_name: str
-
-
-def coalesce(
-    regions: Sequence[Region], *, slot_addr: int, weights_info: Mapping[str, tuple[int, int, int]]
-) -> list[Write]:
-    """The regions of one slot as writes to one target, adjacent runs merged.
-
-    Two consecutive regions merge when they belong to the same parameter and are contiguous
-    in the slot and in the target's memory (``dst = weights_info[param][0] +
-    dst_offset_bytes``). Runs of different parameters are never merged, even when the
-    parameters happen to sit next to each other: the target registered each parameter as
-    its own region, and a write may not cross registrations (an RDMA key or a CUDA IPC
-    mapping covers one region).
-
-    Raises:
-        ValueError: a region's parameter is not in the target's ``weights_info``.
-    """
-    merged: list[list[Any]] = []  # [src, dst, num_bytes, param_name]
-    for region in regions:
-        entry = weights_info.get(region.param_name)
-        if entry is None:
-            raise ValueError(
-                f"parameter {region.param_name!r} is not in the target's weights_info; the plan "
-                "does not match the target it was built for"
-            )
-        src = slot_addr + region.slot_offset
-        dst = entry[0] + region.dst_offset_bytes
-        if merged:
-            last = merged[-1]
-            if (
-                last[3] == region.param_name
-                and last[0] + last[2] == src
-                and last[1] + last[2] == dst
-            ):
-                last[2] += region.num_bytes
-                continue
-        merged.append([src, dst, region.num_bytes, region.param_name])
-    return [
-        Write(src_addr=src, dst_addr=dst, num_bytes=n, param_name=param)
-        for src, dst, n, param in merged
-    ]
 
 
 @dataclass(slots=True, kw_only=True)
 class _Batch:
     handle: Any
     target: TargetRank
-    writes: Sequence[Write]
+    writes: Sequence[WriteRun]
     done: bool = False
 
 
@@ -123,8 +66,9 @@ class WriteQueue:
     def submit(
         self,
         target: TargetRank,
-        writes: Sequence[Write],
+        writes: Sequence[WriteRun],
         *,
+        ring_base: int,
         slot: int,
         after_stream: int | None = None,
     ) -> None:
@@ -132,7 +76,8 @@ class WriteQueue:
 
         Args:
             target: the rollout rank written into.
-            writes: the requests, in order.
+            writes: the requests, in order; their sources are offsets from `ring_base`.
+            ring_base: the address of the staging ring's first byte.
             slot: the staging slot they read.
             after_stream: with a `stream_ordered` transport, the raw CUDA stream whose queued
                 copies fill the slot: the writes wait for them on the GPU. None: the slot's
@@ -151,7 +96,7 @@ class WriteQueue:
             try:
                 handle = self._transport.write(
                     target.session_id,
-                    [w.src_addr for w in chunk],
+                    [ring_base + w.src_offset for w in chunk],
                     [w.dst_addr for w in chunk],
                     [w.num_bytes for w in chunk],
                     **ordering,
@@ -220,7 +165,7 @@ class WriteQueue:
             peer.batches.popleft()
 
 
-def _named(exc: TransferError, target: TargetRank, writes: Sequence[Write]) -> TransferError:
+def _named(exc: TransferError, target: TargetRank, writes: Sequence[WriteRun]) -> TransferError:
     """`exc` again, with the target and the parameters of the failed bytes in the message."""
     failed = [
         w

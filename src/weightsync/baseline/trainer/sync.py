@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from weightsync.baseline.receiver.receiver import FLATTENED_BUCKET
+from weightsync.baseline.flat_bucket import FLATTENED_BUCKET
 from weightsync.baseline.trainer.buckets import BroadcastBucket, plan_buckets
 from weightsync.baseline.trainer.config import BroadcastConfig
 from weightsync.baseline.trainer.group import BroadcastGroup
@@ -19,6 +19,7 @@ from weightsync.baseline.trainer.packer import BucketPacker
 from weightsync.layout import model_dtype
 from weightsync.layout.dtypes import canonical_dtype_name
 from weightsync.manager import PushSummary, SyncManager, SyncReport
+from weightsync.manager.collective import Collective, NoPush, PushOrder, SyncDone, SyncFailed
 from weightsync.plan import SourceHolding, TargetRank
 from weightsync.plan.types import TensorMeta
 
@@ -74,6 +75,7 @@ class BroadcastSync:
                 f"{self._rank}, manager {'given' if manager is not None else 'missing'})"
             )
         self._manager = manager
+        self._collective = Collective(group, rank=self._rank, world_size=self._world_size)
         self._hf_config = hf_config
         self._dtype = canonical_dtype_name(dtype or model_dtype(hf_config))
         self._buckets: tuple[BroadcastBucket, ...] = ()
@@ -152,17 +154,18 @@ class BroadcastSync:
         async def push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
             nonlocal pushed
             pushed = True
-            await asyncio.to_thread(self._broadcast, "push")
+            order = PushOrder(new_plan=False)
+            await asyncio.to_thread(self._collective.broadcast, order, (PushOrder,))
             return await self._push(targets, epoch, packer, device)
 
         try:
             report = self.run(self._manager.update_weights(push, version=version))
         except BaseException as exc:
             if not pushed:
-                self._broadcast("abort")
-            self._broadcast(("failed", exc))
+                self._collective.broadcast(NoPush(), (NoPush,))
+            self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
             raise
-        self._broadcast(("done", report))
+        self._collective.broadcast(SyncDone(report=report), (SyncDone,))
         return report
 
     def close(self) -> None:
@@ -178,12 +181,12 @@ class BroadcastSync:
         self._buffers = []
 
     def _follow(self, packer: BucketPacker) -> SyncReport:
-        if self._broadcast(None) == "push":
+        if isinstance(self._collective.broadcast(None, (PushOrder, NoPush)), PushOrder):
             packer.send_share(self._buckets)
-        kind, payload = self._broadcast(None)
-        if kind == "failed":
-            raise payload
-        return payload
+        outcome = self._collective.broadcast(None, (SyncDone, SyncFailed))
+        if isinstance(outcome, SyncFailed):
+            raise outcome.error
+        return outcome.report
 
     async def _push(
         self,
@@ -280,13 +283,6 @@ class BroadcastSync:
         gathered: list[Any] = [None] * self._world_size
         dist.all_gather_object(gathered, holding, group=self._group)
         return sorted(gathered, key=lambda h: h.rank)
-
-    def _broadcast(self, obj: Any) -> Any:
-        if self._world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self._group, group_src=0)
-        return box[0]
 
 
 def _summary(

@@ -1,0 +1,89 @@
+"""`WeightExport`: what a trainer rank offers a sync, and the base class of the exports.
+
+A sync reads each trainer rank's weights as a stream of ``(hf_name, tensor)`` pairs: HF
+checkpoint names with global layer numbers, and tensors that are views of the trainer's own
+memory wherever possible (no copies, no collectives). Before it reads the stream it asks the
+export what the rank holds (for the plan) and how the stream lies in memory (for the push
+program, which is cached as long as that does not change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from weightsync.export.geometry import stream_geometry
+from weightsync.plan.geometry import StreamGeometry
+from weightsync.plan.types import TensorMeta
+
+
+@runtime_checkable
+class WeightExport(Protocol):
+    """A trainer rank's weights as a re-iterable stream of HF-named tensors.
+
+    Call protocol (by the sender, on the rank's own thread, between optimizer steps):
+
+    1. `holding` once per sync: the tensors the rank can produce and their full HF shapes;
+    2. `geometry`: how the stream lies in memory (cheap when nothing moved);
+    3. iterate it once: every tensor `holding` named, in the order `geometry` gave,
+       each laid out as it said. Iterating must not run collectives: ranks iterate at
+       different speeds.
+    """
+
+    def holding(self) -> Mapping[str, TensorMeta]:
+        """``{hf_name: TensorMeta}`` of what the stream yields, in stream order."""
+        ...
+
+    def geometry(self) -> StreamGeometry:
+        """How the stream's tensors lie in memory (shapes, strides, storage sharing)."""
+        ...
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The ``(hf_name, tensor)`` stream."""
+        ...
+
+
+class ViewExport:
+    """A base class of exports whose stream yields views of tensors that persist between
+    steps (a model's parameters): subclasses give `__iter__` and `memory_key`.
+
+    `geometry` is read off the stream and cached until `memory_key` changes, so a push that
+    finds nothing moved skips one pass over the stream.
+    """
+
+    def __init__(self) -> None:
+        self._geometry: StreamGeometry | None = None
+        self._memory_key: Any = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The ``(hf_name, tensor)`` stream."""
+        raise NotImplementedError
+
+    def memory_key(self) -> Any:
+        """A cheap value that changes whenever the stream's geometry may have changed (for
+        a model: its parameters' names, addresses, shapes, strides and dtypes); None: never
+        cache."""
+        return None
+
+    def holding(self) -> Mapping[str, TensorMeta]:
+        """``{hf_name: TensorMeta}`` of the stream's tensors (full tensors: their shapes)."""
+        geometry = self.geometry()
+        return {
+            key: TensorMeta(shape=tensor.shape, dtype=tensor.dtype)
+            for key, tensor in zip(geometry.keys, geometry.tensors, strict=True)
+        }
+
+    def geometry(self) -> StreamGeometry:
+        """How the stream lies in memory; computed again only when `memory_key` changed.
+
+        Raises:
+            ValueError: the stream repeats a name or yields something that is not a dense
+                tensor.
+        """
+        key = self.memory_key()
+        if key is None or self._geometry is None or key != self._memory_key:
+            self._geometry = stream_geometry(iter(self))
+            self._memory_key = key
+        return self._geometry

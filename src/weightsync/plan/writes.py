@@ -1,0 +1,70 @@
+"""A slot's regions as writes to one target: adjacent runs of one parameter merged."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from weightsync.plan.packing import Region
+
+
+class WriteRun(NamedTuple):
+    """One transport write request of a push program and the parameter its bytes belong to.
+
+    Attributes:
+        src_offset: first byte of the source, from the start of the staging ring.
+        dst_addr: the target address.
+        num_bytes: length.
+        param_name: the parameter written.
+    """
+
+    src_offset: int
+    dst_addr: int
+    num_bytes: int
+    param_name: str
+
+
+def coalesce(
+    regions: Sequence[Region],
+    *,
+    slot_offset: int,
+    weights_info: Mapping[str, tuple[int, int, int]],
+) -> list[WriteRun]:
+    """The regions of one slot as writes to one target, adjacent runs merged.
+
+    Two consecutive regions merge when they belong to the same parameter and are contiguous
+    in the slot and in the target's memory (``dst = weights_info[param][0] +
+    dst_offset_bytes``). Runs of different parameters are never merged, even when the
+    parameters happen to sit next to each other: the target registered each parameter as
+    its own region, and a write may not cross registrations (an RDMA key or a CUDA IPC
+    mapping covers one region).
+
+    Args:
+        regions: the slot's regions (slot offsets from the slot's start).
+        slot_offset: where the slot starts in the ring, in bytes.
+        weights_info: the target's ``{param_name: (addr, numel, element_size)}``.
+
+    Raises:
+        ValueError: a region's parameter is not in the target's ``weights_info``.
+    """
+    merged: list[list] = []  # [src, dst, num_bytes, param_name]
+    for region in regions:
+        entry = weights_info.get(region.param_name)
+        if entry is None:
+            raise ValueError(
+                f"parameter {region.param_name!r} is not in the target's weights_info; the plan "
+                "does not match the target it was built for"
+            )
+        src = slot_offset + region.slot_offset
+        dst = entry[0] + region.dst_offset_bytes
+        if merged:
+            last = merged[-1]
+            if (
+                last[3] == region.param_name
+                and last[0] + last[2] == src
+                and last[1] + last[2] == dst
+            ):
+                last[2] += region.num_bytes
+                continue
+        merged.append([src, dst, region.num_bytes, region.param_name])
+    return [WriteRun(src, dst, n, param) for src, dst, n, param in merged]

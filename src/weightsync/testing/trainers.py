@@ -1,0 +1,275 @@
+"""Trainer ranks for the benchmarks: spawned processes with synthetic weights and two syncs.
+
+Each rank joins one process group (gloo, or NCCL with ``device="cuda"``), generates its
+pipeline stage's seeded synthetic weights (`weightsync.testing.synthetic`) and builds a P2P
+`weightsync.TrainerSync` and a broadcast-baseline `BroadcastSync` over the same replicas. The
+bench process then asks for syncs by method; around every sync rank 0 snapshots the
+replicas' weights, overwrites them with random values, and after it requires every parameter
+to equal the snapshot bit for bit.
+
+    with SyncTrainers(spec) as trainers:
+        result = trainers.run("p2p")   # rank 0's report, as a dict, and the wall time
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("p2p", "baseline")
+_RESULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerSpec:
+    """What every trainer rank needs.
+
+    Attributes:
+        config: the model's config.json dict.
+        urls: the replicas' main servers.
+        api_key: their API key.
+        world_size: trainer ranks.
+        pp_size: pipeline stages the ranks export (rank r is stage ``r % pp_size``).
+        rollout_dtype: the replicas' dtype name.
+        trainer_dtype: the dtype the trainer holds its weights in.
+        device: ``cpu`` or ``cuda`` (rank r on GPU r).
+        seed: the synthetic weights' seed (the replicas' ``--seed``).
+        bucket_bytes: both methods' bucket size.
+        num_workers: P2P fill threads per rank.
+        timeout_s: transfer and broadcast timeout.
+        transport: the P2P transport: ``mooncake`` or ``cuda_ipc``.
+        ipc_streams: CUDA IPC streams one write is spread over.
+        methods: the syncs to build (`METHODS`).
+    """
+
+    config: dict[str, Any]
+    urls: tuple[str, ...]
+    api_key: str | None
+    world_size: int
+    pp_size: int = 1
+    rollout_dtype: str = "bfloat16"
+    trainer_dtype: str = "bfloat16"
+    device: str = "cpu"
+    seed: int = 0
+    bucket_bytes: int = 256 << 20
+    num_workers: int = 4
+    timeout_s: float = 600.0
+    transport: str = "mooncake"
+    ipc_streams: int = 1
+    methods: tuple[str, ...] = field(default=METHODS)
+
+
+def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) -> None:
+    """Run a ``weights_checker`` action on every replica at once.
+
+    Raises:
+        RemoteReplicaError: it failed on a replica (``compare``: a parameter differs from the
+            snapshot).
+    """
+    from weightsync.control import RolloutClient
+
+    async def run() -> None:
+        clients = [RolloutClient(url, api_key=api_key, timeout_s=600.0) for url in urls]
+        try:
+            await asyncio.gather(*(c.weights_checker(action) for c in clients))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    asyncio.run(run())
+
+
+def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
+    import weightsync as ws
+    from weightsync.baseline import BroadcastConfig, BroadcastSync
+    from weightsync.manager import SyncManager
+
+    syncs: dict[str, Any] = {}
+    if "p2p" in spec.methods:
+        transport: ws.MooncakeConfig | ws.CudaIpcConfig = ws.MooncakeConfig(
+            protocol="tcp", timeout_s=spec.timeout_s
+        )
+        if spec.transport == "cuda_ipc":
+            transport = ws.CudaIpcConfig(device=rank, num_streams=spec.ipc_streams)
+        config = ws.SyncConfig(
+            sender=ws.SenderConfig(
+                bucket_bytes=spec.bucket_bytes,
+                num_workers=spec.num_workers,
+                timeout_s=spec.timeout_s,
+            ),
+            control=ws.ControlConfig(api_key=spec.api_key, http_timeout_s=600.0),
+            transport=transport,
+        )
+        syncs["p2p"] = ws.TrainerSync(
+            config,
+            hf_config=spec.config,
+            group=group,
+            replicas=spec.urls,
+            dtype=spec.rollout_dtype,
+        )
+    if "baseline" in spec.methods:
+        manager = None
+        if rank == 0:
+            manager = SyncManager(
+                spec.urls, ws.ControlConfig(api_key=spec.api_key, http_timeout_s=600.0)
+            )
+        syncs["baseline"] = BroadcastSync(
+            hf_config=spec.config,
+            config=BroadcastConfig(bucket_bytes=spec.bucket_bytes, timeout_s=spec.timeout_s),
+            group=group,
+            manager=manager,
+            dtype=spec.rollout_dtype,
+        )
+    return syncs
+
+
+def trainer_main(
+    rank: int, spec: TrainerSpec, init_method: str, commands: Any, results: Any
+) -> None:
+    """One trainer rank: build the syncs, then run the syncs the bench process asks for."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    syncs: dict[str, Any] = {}
+    try:
+        import torch.distributed as dist
+
+        from weightsync.testing.synthetic import synthetic_export
+
+        cuda = spec.device == "cuda"
+        device = f"cuda:{rank}" if cuda else "cpu"
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=spec.world_size,
+        )
+        t0 = time.perf_counter()
+        export = synthetic_export(
+            spec.config,
+            seed=spec.seed,
+            dtype=spec.trainer_dtype,
+            device=device,
+            pp_rank=rank % spec.pp_size,
+            pp_size=spec.pp_size,
+        )
+        generate_s = time.perf_counter() - t0
+        syncs = _syncs(spec, dist.group.WORLD, rank)
+        results.put({"kind": "ready", "rank": rank, "generate_s": generate_s})
+        while (command := commands.get())["kind"] != "stop":
+            if rank == 0:
+                check_weights(spec.urls, "snapshot", spec.api_key)
+                check_weights(spec.urls, "reset_tensors", spec.api_key)
+            start = time.perf_counter()
+            report = syncs[command["method"]].sync(export)
+            wall_s = time.perf_counter() - start
+            event: dict[str, Any] = {"kind": "run", "rank": rank}
+            if rank == 0:
+                # Raises (and so fails the run) unless every parameter equals the snapshot.
+                check_weights(spec.urls, "compare", spec.api_key)
+                event.update(report=report.to_dict(), wall_s=wall_s, bit_exact=True)
+            results.put(event)
+    except BaseException as exc:
+        results.put(
+            {"kind": "error", "rank": rank, "message": str(exc), "trace": traceback.format_exc()}
+        )
+    finally:
+        for sync in syncs.values():
+            try:
+                sync.close()
+            except Exception:
+                traceback.print_exc()
+        results.put({"kind": "exit", "rank": rank})
+
+
+class SyncTrainers:
+    """The trainer ranks of `spec` as spawned processes, driven by `run` (see the module).
+
+    Raises:
+        RuntimeError: a rank failed to start (with its traceback).
+    """
+
+    def __init__(self, spec: TrainerSpec) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.spec = spec
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(spec.world_size)]
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        self.processes = [
+            ctx.Process(
+                target=trainer_main,
+                args=(rank, spec, init, self.commands[rank], self.results),
+                daemon=True,
+            )
+            for rank in range(spec.world_size)
+        ]
+        for process in self.processes:
+            process.start()
+        try:
+            ready = [self._next("ready") for _ in self.processes]
+        except BaseException:
+            self.close()
+            raise
+        self.generate_s = max(r["generate_s"] for r in ready)
+
+    def run(self, method: str) -> dict[str, Any]:
+        """One sync by `method` (``p2p`` or ``baseline``), verified bit-exact: rank 0's
+        ``report`` (`SyncReport.to_dict`, every rank's push in ``report["sources"]``) and
+        ``wall_s``.
+
+        Raises:
+            RuntimeError: a rank failed (with its traceback), or the check failed.
+        """
+        for commands in self.commands:
+            commands.put({"kind": "run", "method": method})
+        events = sorted((self._next("run") for _ in self.commands), key=lambda e: e["rank"])
+        return events[0]
+
+    def close(self) -> None:
+        """Stop every rank (killing what does not stop)."""
+        for commands in self.commands:
+            with contextlib.suppress(Exception):
+                commands.put({"kind": "stop"})
+        for process in self.processes:
+            process.join(60.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def __enter__(self) -> SyncTrainers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _next(self, kind: str) -> dict[str, Any]:
+        deadline = time.monotonic() + _RESULT_TIMEOUT_S
+        while True:
+            try:
+                event = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.pid for p in self.processes if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"trainer ranks failed or hung (dead: {dead})") from None
+                continue
+            if event["kind"] == "error":
+                raise RuntimeError(f"trainer rank {event['rank']} failed:\n{event['trace']}")
+            if event["kind"] == kind:
+                return event
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,113 @@
+"""`TrainerSync`, the front door: what it owns, its typed messages, and an event loop that
+never blocks on a collective."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import weightsync as ws
+from process_group import run_in_process_group
+from servers import serve_replicas
+from weightsync.errors import WeightSyncError
+from weightsync.manager.collective import Collective, NoPush, PushOrder, SyncFailed
+from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
+
+TINY = preset_config("tiny")
+
+
+def test_the_front_door_names_resolve_lazily() -> None:
+    for name in ws.__all__:
+        assert getattr(ws, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        ws.Nope  # noqa: B018
+
+
+def test_sync_config_is_one_nested_config() -> None:
+    config = ws.SyncConfig(transport=ws.CudaIpcConfig(device=1, num_streams=2))
+    assert isinstance(config.sender, ws.SenderConfig)
+    assert isinstance(config.control, ws.ControlConfig)
+    with pytest.raises(ValueError, match="MooncakeConfig or a CudaIpcConfig"):
+        ws.SyncConfig(transport={"protocol": "tcp"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ControlConfig"):
+        ws.SyncConfig(control=ws.SenderConfig())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pause_mode"):
+        ws.ControlConfig(pause_mode="stop")
+    with pytest.raises(ValueError, match="num_streams"):
+        ws.CudaIpcConfig(num_streams=0)
+
+
+def test_trainer_sync_owns_and_closes_its_transport() -> None:
+    with ws.TrainerSync(hf_config=TINY) as sync:
+        transport = sync.transport
+        assert sync.is_driver and sync.manager is not None and sync.manager.replicas == ()
+        assert transport.session_id.startswith("127.0.0.1:")
+    with pytest.raises(ValueError, match="closed"):
+        sync.sync(ws.ModelExport(random_model(TINY)))
+    with ws.TrainerSync(hf_config=TINY) as empty, pytest.raises(ValueError, match="no rollout"):
+        empty.sync(ws.ModelExport(random_model(TINY)))
+
+
+def test_messages_out_of_step_are_refused() -> None:
+    collective = Collective(None, rank=0, world_size=1)
+    assert isinstance(collective.broadcast(NoPush(), (PushOrder, NoPush)), NoPush)
+    with pytest.raises(WeightSyncError, match="expected a PushOrder message, got SyncFailed"):
+        collective.broadcast(SyncFailed(error=ValueError("x")), (PushOrder,))
+
+
+def _slow_follower(rank: int, group, checkpoint: str, url: str) -> float | None:
+    """Rank 1 joins the broadcast that orders the push 1.5 s late; rank 0 measures the
+    longest stall of its manager's event loop meanwhile."""
+    import weightsync as ws
+    from weightsync.testing.presets import random_model
+
+    config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=1 << 20), transport=ws.MooncakeConfig(timeout_s=10)
+    )
+    model = random_model(TINY, seed=2)
+    with ws.TrainerSync(config, hf_config=TINY, group=group, replicas=[url]) as sync:
+        if rank == 1:
+            broadcast = sync._collective.broadcast
+
+            def late(message, expected):
+                if PushOrder in expected:
+                    time.sleep(1.5)
+                return broadcast(message, expected)
+
+            sync._collective.broadcast = late  # type: ignore[method-assign]
+            sync.sync(ws.ModelExport(model))
+            return None
+        stall: list[float] = []
+        stop = threading.Event()
+
+        async def heartbeat() -> float:
+            worst, last = 0.0, time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                worst, last = max(worst, now - last), now
+            return worst
+
+        beat = threading.Thread(target=lambda: stall.append(sync.run(heartbeat())))
+        beat.start()
+        try:
+            report = sync.sync(ws.ModelExport(model))
+        finally:
+            stop.set()
+            beat.join()
+        assert report.seconds > 1.4  # the late follower really held the sync up
+        return stall[0]
+
+
+@pytest.mark.slow
+def test_the_driver_loop_never_blocks_on_a_collective(tmp_path) -> None:
+    checkpoint = write_random_checkpoint(tmp_path / "ckpt", TINY, seed=1)
+    with serve_replicas(checkpoint, tp=1, log_dir=tmp_path) as replicas:
+        stall, _ = run_in_process_group(
+            2, _slow_follower, str(checkpoint), replicas[0].url, timeout_s=180
+        )
+    # A collective run on the loop would have stalled it for the follower's 1.5 s.
+    assert stall < 0.5, stall
