@@ -1,19 +1,14 @@
 """P2P weight sync against the broadcast baseline and the link's ceiling, in one run.
 
-Replicas serve seeded synthetic weights (``weightsync serve --load-format dummy``); trainer
-ranks hold the same weights (`weightsync.testing.trainers`). Alternating, ``--repeats``
-times each, the bench times pause to resume of:
-
-- p2p: `weightsync.TrainerSync`, over Mooncake TCP on CPU, CUDA IPC on GPU;
-- baseline: `BroadcastSync` (verl/slime-style bucketed broadcast over a group with every
-  rollout rank, gloo on CPU and NCCL on GPU, loaded tensor by tensor);
-- ceiling: on CPU a raw Mooncake TCP write of the same bytes between two processes (with
-  memcpy and a loopback socket for context); on GPU an NCCL broadcast between the trainer's
-  and the replica's GPUs and an in-process peer copy.
-
-Every timed sync is checked bit-exact against the replicas' snapshot. Prints a table and,
-last, one JSON line (``workload, bytes, p2p_s, baseline_s, speedup, p2p_gbps, ceiling_gbps,
-fraction_of_ceiling, ...``; seconds are medians).
+Replicas serve seeded synthetic weights (``--load-format dummy``) and trainer ranks hold the
+same (`weightsync.testing.trainers`). Alternating, ``--repeats`` times each, it times pause to
+resume of p2p (`weightsync.TrainerSync`: Mooncake TCP on CPU, CUDA IPC on GPU) and of the
+baseline (`BroadcastSync`: verl/slime-style bucketed broadcast over a group with every rollout
+rank, loaded tensor by tensor), beside the link's ceiling over the same bytes (CPU: raw
+Mooncake TCP between two processes, memcpy, a loopback socket; GPU: NCCL broadcast and an
+in-process peer copy). Every timed sync is checked bit-exact. Prints a table and one JSON
+line (``workload, bytes, p2p_s, baseline_s, speedup, p2p_gbps, ceiling_gbps,
+fraction_of_ceiling, ...``; medians).
 
     python bench/sync.py                       # ~1 GB bf16 dense, 2 replicas x tp2, 2 ranks
     python bench/sync.py --quick               # tiny smoke run
@@ -50,6 +45,7 @@ from common import (
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.testing.launcher import ServedReplica, start_replicas
 from weightsync.testing.trainers import METHODS, SyncTrainers, TrainerSpec
+from weightsync.transport import TRANSPORTS
 
 # The link each device's P2P rate is compared with, and how the table names each link.
 CEILINGS = {"cpu": "mooncake_tcp", "cuda": "nccl_broadcast"}
@@ -249,7 +245,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--rollout-gpu-offset", type=int, help="first rollout GPU (default: after)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--transport", choices=("mooncake", "cuda_ipc"), help="default: by device")
+    p.add_argument("--transport", choices=sorted(TRANSPORTS), help="default: by device")
     p.add_argument("--dtype", default="bf16", choices=ROLLOUT_DTYPE_CHOICES)
     p.add_argument("--trainer-dtype", choices=ROLLOUT_DTYPE_CHOICES, help="default: --dtype")
     p.add_argument("--bucket-mb", type=int, default=256, help="both methods' bucket")

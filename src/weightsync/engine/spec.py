@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.engine.rotary import RopeConfig
-from weightsync.layout import normalize_hf_config
+from weightsync.layout import SUPPORTED_MODEL_TYPES, normalize_hf_config
 from weightsync.layout.config import config_data
 
-ENGINE_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# The reference engine runs every family the layout rules know.
+ENGINE_MODEL_TYPES: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 
 
 def _sliding_windows(data: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -1,13 +1,17 @@
-"""Pure copy planning: which trainer source writes which bytes of which rollout rank.
+"""Pure copy planning: which trainer source writes which bytes of which rollout rank, and how.
 
 `build_plan` takes what each rollout rank published (`TargetRank`) and what each trainer
 source rank holds (`SourceHolding`), applies the layout rules of `weightsync.layout`, spreads
 the work over every source that holds the data and validates the result before a byte moves.
-`simulate_targets` / `simulate_sources` make those inputs for a cluster that does not exist.
+`lower_push` turns one source's share, with the geometry of its tensor stream
+(`StreamGeometry`), into the `PushProgram` the sender executes. `simulate_targets` /
+`simulate_sources` make the inputs for a cluster that does not exist.
 """
 
 from weightsync.plan.builder import build_plan
+from weightsync.plan.geometry import StreamGeometry, TensorGeometry
 from weightsync.plan.items import CopyItem, LayoutGroup, SourcePlan, StageWork
+from weightsync.plan.program import PushProgram, StagingSpec, lower_push
 from weightsync.plan.simulate import simulate_sources, simulate_targets, stage_layers
 from weightsync.plan.sync_plan import SyncPlan
 from weightsync.plan.types import SourceHolding, TargetRank, TensorMeta
@@ -15,13 +19,18 @@ from weightsync.plan.types import SourceHolding, TargetRank, TensorMeta
 __all__ = [
     "CopyItem",
     "LayoutGroup",
+    "PushProgram",
     "SourceHolding",
     "SourcePlan",
     "StageWork",
+    "StagingSpec",
+    "StreamGeometry",
     "SyncPlan",
     "TargetRank",
+    "TensorGeometry",
     "TensorMeta",
     "build_plan",
+    "lower_push",
     "simulate_sources",
     "simulate_targets",
     "stage_layers",
