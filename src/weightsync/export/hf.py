@@ -108,11 +108,11 @@ class ModelExport(ViewExport):
                     yield names[expert], tensor[expert]
 
     def memory_key(self) -> tuple:
-        """The names, addresses, shapes, strides, dtypes and devices of the model's tensors:
-        while they stay the same, so does the stream's geometry."""
+        """The names, addresses, shapes, strides and dtypes of the model's tensors (a tensor
+        moved to another device has another address): while they stay the same, so does the
+        stream's geometry."""
         return tuple(
-            (name, t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
-            for name, t in self._state().items()
+            (name, t.data_ptr(), t.shape, t.stride(), t.dtype) for name, t in self._state().items()
         )
 
     def _state(self) -> Mapping[str, torch.Tensor]:
@@ -176,15 +176,14 @@ class TensorsExport(ViewExport):
         self._tensors = tensors
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The mapping's items, each tensor detached."""
-        for name, tensor in self._tensors.items():
-            yield name, tensor.detach()
+        """The mapping's items, as they are (the sender reads them under ``no_grad``)."""
+        return iter(self._tensors.items())
 
     def memory_key(self) -> tuple:
-        """The names, addresses, shapes, strides, dtypes and devices of the tensors."""
+        """The names, addresses, shapes, strides and dtypes of the tensors (a tensor moved to
+        another device has another address)."""
         return tuple(
-            (name, t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
-            for name, t in self._tensors.items()
+            (name, t.data_ptr(), t.shape, t.stride(), t.dtype) for name, t in self._tensors.items()
         )
 
 
