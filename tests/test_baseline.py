@@ -24,6 +24,7 @@ from weightsync.testing.presets import preset_config, write_random_checkpoint
 from weightsync.testing.reference import greedy_tokens
 
 API_KEY = "baseline-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ROLLOUT_DTYPE = torch.bfloat16
 PROMPTS = ((1, 17, 42, 7), (600, 2, 2, 31))
 MAX_NEW_TOKENS = 6
@@ -208,5 +209,5 @@ def test_a_misshapen_trainer_tensor_fails_before_any_replica_is_paused(checkpoin
     finally:
         sync.close()
     for replica in replicas:
-        state = httpx.get(f"{replica.url}/server_info").json()["state"]
+        state = httpx.get(f"{replica.url}/server_info", headers=AUTH).json()["state"]
         assert not state["paused"] and state["weight_update_session"] == "closed"

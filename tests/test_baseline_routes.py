@@ -81,7 +81,7 @@ def test_bad_requests_are_refused_before_any_rendezvous(http):
     # tp rank 1 would be rank 2 of a group of 2.
     _refused(http.post("/init_weights_update_group", json=_init_body(world_size=2)), 400, "1..2")
     for bad in ({"rank_offset": 0}, {"backend": "mpi"}):
-        assert http.post("/init_weights_update_group", json=_init_body(**bad)).status_code == 422
+        assert http.post("/init_weights_update_group", json=_init_body(**bad)).status_code == 400
     update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[HIDDEN]]}
     _refused(
         http.post("/update_weights_from_distributed", json={**update, "group_name": "none"}),
@@ -90,9 +90,9 @@ def test_bad_requests_are_refused_before_any_rendezvous(http):
         "init_weights_update_group",
     )
     mismatched = {**update, "dtypes": []}
-    assert http.post("/update_weights_from_distributed", json=mismatched).status_code == 422
+    assert http.post("/update_weights_from_distributed", json=mismatched).status_code == 400
     bad_format = {**update, "load_format": "direct"}
-    assert http.post("/update_weights_from_distributed", json=bad_format).status_code == 422
+    assert http.post("/update_weights_from_distributed", json=bad_format).status_code == 400
     _refused(http.post("/destroy_weights_update_group", json={"group_name": "none"}), 400, "none")
     # Nothing of this left the server in a state other than serving.
     state = http.get("/server_info").json()["state"]

@@ -50,7 +50,7 @@ def replica(checkpoint, tmp_path_factory):
 
 @pytest.fixture
 def http(replica):
-    with httpx.Client(base_url=replica.url, timeout=60.0) as client:
+    with httpx.Client(base_url=replica.url, timeout=60.0, headers=AUTH) as client:
         yield client
 
 
@@ -194,18 +194,27 @@ POST_ROUTES = {
 }
 
 
-def test_auth_on_every_state_changing_route(replica, http):
-    for route, body in POST_ROUTES.items():
+def test_auth_on_every_route_but_health(replica, http):
+    # As SGLang: every route but /health and /ready needs the key, reads included (they
+    # reveal the parameters' addresses and the transfer-engine sessions).
+    gets = ("/server_info", "/get_server_info", "/model_info", "/get_weight_version")
+    gets += ("/remote_instance_transfer_engine_info?rank=0", "/parallelism_config?rank=0")
+    with httpx.Client(base_url=replica.url, timeout=60.0) as bare:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-            response = http.post(route, json=body, headers=headers)
-            assert response.status_code == 401, (route, headers, response.text)
-            assert "message" in response.json()["error"]
-            assert response.headers["WWW-Authenticate"] == "Bearer"
+            for route, body in POST_ROUTES.items():
+                response = bare.post(route, json=body, headers=headers)
+                assert response.status_code == 401, (route, headers, response.text)
+                assert "message" in response.json()["error"]
+                assert response.headers["WWW-Authenticate"] == "Bearer"
+            for route in gets:
+                assert bare.get(route, headers=headers).status_code == 401, (route, headers)
+        for route in ("/health", "/ready", "/openapi.json"):
+            assert bare.get(route).status_code == 200, route
     for route in ("/register_transfer_engine_info", "/register_parallelism_config"):
         refused = httpx.put(f"{replica.bootstrap_url}{route}", json={"tp_rank": 0})
         assert refused.status_code == 401
-    for route in ("/health", "/server_info", "/get_weight_version", "/openapi.json"):
-        assert http.get(route).status_code == 200
+    for route in gets:
+        assert http.get(route).status_code == 200, route
     with pytest.raises(RemoteReplicaError) as refused:
         _call(replica, "flush_cache", api_key=None)
     assert refused.value.status_code == 401
@@ -272,12 +281,17 @@ def test_pause_release_resume_continue(replica, http):
     unknown = http.post("/release_memory_occupation", json={"tags": ["bogus"]}, headers=AUTH)
     assert unknown.status_code == 400
     released = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}, headers=AUTH)
-    assert released.status_code == 200 and released.json()["status"] == "ok"
+    assert released.status_code == 200 and released.json() is None  # SGLang answers null
     assert _state(http)["memory_released"] == ["kv_cache"]
+    # While generation is refused, /health and /ready say so (SGLang's /health generates).
+    assert http.get("/health").status_code == 503 and http.get("/ready").status_code == 503
+    no_body = http.post("/resume_memory_occupation", headers=AUTH)
+    assert no_body.status_code == 400 and no_body.json()["type"] == "Bad Request"
     resumed = http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}, headers=AUTH)
     assert resumed.status_code == 200
 
-    assert http.post("/flush_cache", headers=AUTH).json()["status"] == "ok"
+    flushed = http.post("/flush_cache", headers=AUTH)
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed")
     aborted = http.post("/abort_request", json={"rid": "", "abort_all": True}, headers=AUTH)
     assert aborted.status_code == 200
     continued = http.post("/continue_generation", json={"torch_empty_cache": True}, headers=AUTH)

@@ -29,6 +29,7 @@ pytestmark = [
 ]
 
 API_KEY = "gpu-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SEED = 5
 
 
@@ -77,10 +78,13 @@ def _trainer_tensors(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def test_replica_publishes_cuda_ipc_sessions_on_its_gpu(replica):
-    info = httpx.get(f"{replica.url}/server_info", timeout=30.0).json()
+    info = httpx.get(f"{replica.url}/server_info", headers=AUTH, timeout=30.0).json()
     assert info["transport"] == "cuda_ipc" and info["device"] == "cuda"
     engine = httpx.get(
-        f"{replica.url}/remote_instance_transfer_engine_info", params={"rank": 0}, timeout=30.0
+        f"{replica.url}/remote_instance_transfer_engine_info",
+        params={"rank": 0},
+        headers=AUTH,
+        timeout=30.0,
     ).json()
     session_id, weights_info = engine["remote_instance_transfer_engine_info"]
     assert session_id.startswith("ipc:127.0.0.1:")

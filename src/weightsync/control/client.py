@@ -55,7 +55,9 @@ class RolloutClient(AsyncHttpClient):
     """
 
     async def health(self, *, timeout_s: float | None = None) -> None:
-        """``GET /health``: return when the replica serves.
+        """``GET /health``: return when the replica serves generation. SGLang's runs a
+        one-token generation and answers 503 (after ~20 s) while paused: never a liveness
+        probe during an update (use `get_server_info`).
 
         Raises:
             RemoteReplicaError: not reachable, or not serving (a non-2xx status).
@@ -65,18 +67,17 @@ class RolloutClient(AsyncHttpClient):
     async def get_server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """``GET /server_info``: the server's arguments (``tp_size``, ``dtype``, ports, ...)
         and ``version``, as the server sent them."""
-        route = "/server_info"
-        response = await self._call("GET", route, timeout_s=timeout_s)
-        data = self._json(response, route=route)
-        if not isinstance(data, dict):
-            raise RemoteReplicaError(
-                f"replica {self.base_url}: {route} answered with a {type(data).__name__}, "
-                "not an object",
-                replica=self.base_url,
-                route=route,
-                status_code=response.status_code,
-            )
-        return data
+        return await self._object("/server_info", timeout_s)
+
+    async def get_model_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``GET /model_info``: the model path and type and the weight version served (SGLang
+        0.5.23's place for the version)."""
+        return await self._object("/model_info", timeout_s)
+
+    async def served_weight_version(self, *, timeout_s: float | None = None) -> str | None:
+        """The label of the weights the replica serves: ``/model_info``'s
+        ``weight_version``, which SGLang as released and the reference server both serve."""
+        return (await self.get_model_info(timeout_s=timeout_s)).get("weight_version")
 
     async def get_transfer_engine_info(
         self, rank: int, *, timeout_s: float | None = None
@@ -285,6 +286,20 @@ class RolloutClient(AsyncHttpClient):
         """``POST /destroy_weights_update_group``: leave the group."""
         body = DestroyWeightsUpdateGroupRequest(group_name=group_name)
         return await self._success("/destroy_weights_update_group", body, timeout_s)
+
+    async def _object(self, route: str, timeout_s: float | None) -> dict[str, Any]:
+        """``GET route`` answered with a JSON object."""
+        response = await self._call("GET", route, timeout_s=timeout_s)
+        data = self._json(response, route=route)
+        if not isinstance(data, dict):
+            raise RemoteReplicaError(
+                f"replica {self.base_url}: {route} answered with a {type(data).__name__}, "
+                "not an object",
+                replica=self.base_url,
+                route=route,
+                status_code=response.status_code,
+            )
+        return data
 
     async def _success(self, route: str, body: Any, timeout_s: float | None) -> SuccessResponse:
         response = await self._call("POST", route, body=body, timeout_s=timeout_s)

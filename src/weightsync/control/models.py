@@ -36,9 +36,9 @@ class PauseGenerationRequest(_Request):
 
 
 class ContinueGenerationRequest(_Request):
-    """``POST /continue_generation``."""
+    """``POST /continue_generation`` (SGLang 0.5.23's default: empty the device cache)."""
 
-    torch_empty_cache: bool = False
+    torch_empty_cache: bool = True
 
 
 class AbortRequestRequest(_Request):
@@ -58,9 +58,9 @@ class MemoryOccupationRequest(_Request):
 
 
 class BeginWeightUpdateRequest(_Request):
-    """``POST /begin_weight_update``."""
+    """``POST /begin_weight_update`` (SGLang 0.5.23's default selector: ``all``)."""
 
-    selector: Selector = "target"
+    selector: Selector = "all"
 
 
 class EndWeightUpdateRequest(_Request):
@@ -68,16 +68,16 @@ class EndWeightUpdateRequest(_Request):
 
 
 class UpdateWeightVersionRequest(_Request):
-    """``POST /update_weight_version``."""
+    """``POST /update_weight_version`` (SGLang 0.5.23 aborts every request by default)."""
 
     new_version: str
-    abort_all_requests: bool = False
+    abort_all_requests: bool = True
 
 
 class WeightsCheckerRequest(_Request):
-    """``POST /weights_checker``."""
+    """``POST /weights_checker`` (SGLang 0.5.23's default action: ``checksum``)."""
 
-    action: CheckerAction
+    action: CheckerAction = "checksum"
     allow_quant_error: bool = False
     selector: Selector = "target"
     skip_tensor_list: list[str] = Field(default_factory=list)
@@ -254,10 +254,28 @@ class ServerInfo(_Response):
     mooncake_protocol: str
     weight_version: str | None
     version: str
+    status: str = "ready"
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    moe_dense_tp_size: int | None = None
+    enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
+    cpu_offload_gb: float = 0
+    weightsync: dict[str, Any] = Field(default_factory=dict)
     state: dict[str, Any] = Field(default_factory=dict)
 
 
 # Engine-info bootstrap server.
+
+
+class ModelInfo(_Response):
+    """``GET /model_info`` (SGLang's fields that the reference server has)."""
+
+    model_path: str
+    weight_version: str | None
+    is_generation: bool = True
+    model_type: str | None = None
+    architectures: list[str] | None = None
 
 
 class TransferEngineInfo(_Request):

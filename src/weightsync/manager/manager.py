@@ -9,7 +9,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from weightsync.control import RolloutClient
+from weightsync.control.protocol import (
+    PARALLELISM_CONFIG,
+    ReplicaProtocol,
+    derive_parallelism,
+    num_ranks,
+    refusal,
+)
 from weightsync.errors import LayoutMismatchError, RemoteReplicaError, WeightSyncError
+from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.manager.config import ControlConfig
 from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
 from weightsync.plan import TargetRank
@@ -59,6 +67,9 @@ class SyncManager:
         self._checked = False
         self._armed: set[str] = set()
         self._dirty: set[str] = set()
+        self._protocols: dict[str, ReplicaProtocol] = {}
+        # Replicas whose KV cache this update released (and so must resume).
+        self._released: set[str] = set()
         for url in replicas:
             self._add(url)
 
@@ -77,6 +88,11 @@ class SyncManager:
         """Replicas whose last update failed part-way; they hold mixed weights until a later
         update to them succeeds."""
         return frozenset(self._dirty)
+
+    @property
+    def protocols(self) -> dict[str, ReplicaProtocol]:
+        """What each replica serves, as learned at the last metadata fetch (by URL)."""
+        return dict(self._protocols)
 
     @property
     def metadata_epoch(self) -> int:
@@ -114,6 +130,7 @@ class SyncManager:
         self._replicas.remove(url)
         self._dirty.discard(url)
         self._armed.discard(url)
+        self._protocols.pop(url, None)
         self._targets = None
         await client.aclose()
 
@@ -158,8 +175,21 @@ class SyncManager:
         t0 = time.perf_counter()
 
         await self._on_all(replicas, "pause_generation", mode=cfg.pause_mode)
+        self._released = set()
         if cfg.release_kv_cache:
-            await self._on_all(replicas, "release_memory_occupation", tags=["kv_cache"])
+            results = await self._call_all(replicas, "release_memory_occupation", tags=["kv_cache"])
+            self._released = {u for u, r in results.items() if not isinstance(r, BaseException)}
+            failures = _failures(results)
+            if failures:
+                # SGLang cannot resume what it did not release (it exits): only these resume.
+                await self._resume(replicas, best_effort=True)
+                url, exc = failures[0]
+                raise RemoteReplicaError(
+                    f"release_memory_occupation failed on replica {url}: {exc}; the update was "
+                    "not started and every replica serves its previous weights",
+                    replica=url,
+                    route="release_memory_occupation",
+                ) from exc
         await self._begin(replicas)
         t_paused = time.perf_counter()
 
@@ -240,34 +270,84 @@ class SyncManager:
         return report
 
     async def _fetch_targets(self) -> tuple[TargetRank, ...]:
+        """Every rank of every replica, as it published itself; each replica's server kind
+        decides where its parallelism comes from (see `weightsync.control.protocol`).
+
+        Raises:
+            RemoteReplicaError: a replica cannot be reached, publishes something invalid, or
+                runs with a setting that one-sided writes cannot serve (named, with the flag
+                to change).
+        """
         replicas = tuple(self._replicas)
         infos = await self._on_all(replicas, "get_server_info")
-        rank_calls = []
         for url in replicas:
-            num_ranks = _num_ranks(url, infos[url])
-            client = self._clients[url]
-            for rank in range(num_ranks):
-                rank_calls.append((url, rank, client))
-        results = await asyncio.gather(
-            *(
-                asyncio.gather(c.get_transfer_engine_info(rank), c.get_parallelism_config(rank))
-                for _, rank, c in rank_calls
-            )
-        )
-        targets = []
-        for (url, rank, _), ((session_id, weights_info), parallelism) in zip(
-            rank_calls, results, strict=True
-        ):
-            targets.append(
-                TargetRank(
+            reason = refusal(infos[url])
+            if reason is not None:
+                raise RemoteReplicaError(
+                    f"replica {url} cannot take point-to-point updates: {reason}",
                     replica=url,
-                    rank=rank,
-                    session_id=session_id,
-                    parallelism=parallelism,
-                    weights_info={k: tuple(v) for k, v in weights_info.items()},
+                    route="/server_info",
                 )
+        per_replica = await asyncio.gather(
+            *(self._replica_targets(url, infos[url]) for url in replicas)
+        )
+        return tuple(target for targets in per_replica for target in targets)
+
+    async def _replica_targets(self, url: str, server_info: dict[str, Any]) -> list[TargetRank]:
+        client = self._clients[url]
+        protocol = ReplicaProtocol.from_server_info(server_info)
+        try:
+            ranks = range(num_ranks(server_info))
+        except ValueError as exc:
+            raise RemoteReplicaError(
+                f"replica {url}: {exc}", replica=url, route="/server_info"
+            ) from exc
+        engine_infos = asyncio.gather(*(client.get_transfer_engine_info(r) for r in ranks))
+        parallelism = self._parallelism_of(client, protocol, server_info, ranks)
+        infos, configs = await asyncio.gather(engine_infos, parallelism)
+        self._protocols[url] = protocol
+        return [
+            TargetRank(
+                replica=url,
+                rank=rank,
+                session_id=session_id,
+                parallelism=config,
+                weights_info={k: tuple(v) for k, v in weights_info.items()},
             )
-        return tuple(targets)
+            for rank, (session_id, weights_info), config in zip(ranks, infos, configs, strict=True)
+        ]
+
+    async def _parallelism_of(
+        self,
+        client: RolloutClient,
+        protocol: ReplicaProtocol,
+        server_info: dict[str, Any],
+        ranks: range,
+    ) -> list[ParallelismConfig]:
+        """Each rank's parallelism: from ``/parallelism_config`` where served (advertised, or
+        answered for rank 0 by a server that advertises nothing, such as SGLang with the
+        Miles extensions), else derived from `server_info` as SGLang derives it."""
+        url = client.base_url
+        if protocol.kind == "sglang" and not protocol.serves(PARALLELISM_CONFIG):
+            try:
+                first = await client.get_parallelism_config(ranks[0])
+            except RemoteReplicaError as exc:
+                if exc.status_code != 404:
+                    raise
+                logger.info(
+                    "replica %s (%s) has no /parallelism_config: derived from /server_info",
+                    url,
+                    protocol.describe(),
+                )
+                try:
+                    return [derive_parallelism(server_info, rank) for rank in ranks]
+                except ValueError as derive_error:
+                    raise RemoteReplicaError(
+                        f"replica {url}: {derive_error}", replica=url, route="/server_info"
+                    ) from derive_error
+            rest = await asyncio.gather(*(client.get_parallelism_config(r) for r in ranks[1:]))
+            return [first, *rest]
+        return list(await asyncio.gather(*(client.get_parallelism_config(r) for r in ranks)))
 
     async def _call_all(
         self, replicas: Sequence[str], method: str, **kwargs: Any
@@ -324,13 +404,14 @@ class SyncManager:
             )
 
     async def _resume(self, replicas: Sequence[str], *, best_effort: bool = False) -> None:
-        steps: list[tuple[str, dict[str, Any]]] = []
-        if self._config.release_kv_cache:
-            steps.append(("resume_memory_occupation", {"tags": ["kv_cache"]}))
-        steps += [("flush_cache", {}), ("continue_generation", {})]
+        """Serve again: take back the KV cache where this update released it, flush, continue."""
         call = self._call_all if best_effort else self._on_all
-        for method, kwargs in steps:
-            await call(replicas, method, **kwargs)
+        released = [url for url in replicas if url in self._released]
+        if released:
+            await call(released, "resume_memory_occupation", tags=["kv_cache"])
+            self._released.difference_update(released)
+        for method in ("flush_cache", "continue_generation"):
+            await call(replicas, method)
 
     async def _compare(self, replicas: Sequence[str]) -> None:
         results = await self._call_all(
@@ -352,15 +433,3 @@ class SyncManager:
 
 def _failures(results: dict[str, Any]) -> list[tuple[str, BaseException]]:
     return [(u, r) for u, r in results.items() if isinstance(r, BaseException)]
-
-
-def _num_ranks(url: str, server_info: dict[str, Any]) -> int:
-    tp_size = server_info.get("tp_size")
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise RemoteReplicaError(
-            f"replica {url} reported no valid tp_size in /server_info ({tp_size!r})",
-            replica=url,
-            route="/server_info",
-        )
-    pp_size = server_info.get("pp_size") or 1
-    return tp_size * pp_size

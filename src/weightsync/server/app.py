@@ -2,16 +2,23 @@
 of the server extensions it was given (`weightsync.server.extensions`; the broadcast
 baseline's ``init_weights_update_group`` and its kin come that way).
 
-Status codes: 200 success; 400 a call that contradicts the state or bad input (begin while a
-session is open, end without one, a failed weights check, release while busy, an unknown
-rank for transfer-engine info), with ``{"success": false, "message"}`` on the routes whose
-reply is ``{"success", "message"}`` and ``{"error": {"message"}}`` elsewhere; 401 missing or
-wrong API key on a POST route; 404 an unknown rank for ``/parallelism_config``; 422 a body
-that does not parse; 500 a rank failed; 503 not now (``/generate`` while paused, during a
-weight-update session or with memory released; ``/health`` while shutting down).
+Where SGLang 0.5.23 serves a route, this one answers as SGLang does: the same paths, fields,
+defaults (``selector`` "all", ``abort_all_requests`` and ``torch_empty_cache`` true, checker
+action "checksum"), status codes and bodies. Status codes: 200 success; 400 a call that
+contradicts the state or bad input (begin while a session is open, end without one, a failed
+weights check, release while busy, an unknown rank for transfer-engine info, a body that
+does not parse, SGLang's ``{"object": "error", ...}``), with ``{"success": false,
+"message"}`` on the routes whose reply is ``{"success", "message"}`` and ``{"error":
+{"message"}}`` elsewhere; 401 a missing or wrong API key (every route but ``/health`` and
+``/ready``); 404 an unknown rank for ``/parallelism_config``; 500 a rank failed; 503 not now
+(``/generate``, ``/health`` and ``/ready`` while paused, during a weight-update session or
+with memory released, or while shutting down).
+
+Beyond SGLang it serves ``/parallelism_config`` and ``/get_weight_version`` (the Miles
+extensions) and says so in ``/server_info["weightsync"]["capabilities"]``.
 
 Handlers never block the event loop: the engine runs in rank 0's engine thread and handlers
-await its futures, so ``/health`` answers during a long generation or weights check.
+await its futures, so ``/server_info`` answers during a long generation or weights check.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from weightsync.control.models import (
     GenerateRequest,
     GenerateResponse,
     MemoryOccupationRequest,
+    ModelInfo,
     ParallelismConfigModel,
     PauseGenerationRequest,
     ServerInfo,
@@ -48,6 +56,7 @@ from weightsync.server.http import (
     SUCCESS_400,
     ControlError,
     bearer_auth,
+    describe_validation_as_400,
     error_response,
     error_responses,
     install_error_handler,
@@ -64,8 +73,8 @@ def create_main_app(
 ) -> FastAPI:
     """The main server's app over `controller`; see the module docstring for status codes.
 
-    With `api_key`, every POST route needs ``Authorization: Bearer <api_key>``. Each of
-    `extensions` adds its routes.
+    With `api_key`, every route but ``/health`` and ``/ready`` needs ``Authorization: Bearer
+    <api_key>`` (as SGLang). Each of `extensions` adds its routes.
     """
     app = FastAPI(
         title="weightsync reference rollout server",
@@ -73,19 +82,48 @@ def create_main_app(
         description="SGLang's weight-update control protocol over the reference engine.",
     )
     install_error_handler(app)
+    describe_validation_as_400(app)
     authorized = [Depends(bearer_auth(api_key))]
 
     @app.get(
         "/health", response_class=PlainTextResponse, responses=error_responses(503, auth=False)
     )
     async def health() -> Any:
-        """200 ``OK`` while the replica serves; 503 while it shuts down."""
-        if not controller.healthy:
-            return error_response("the server is shutting down", 503)
+        """200 ``OK`` while the replica serves generation; 503 while it does not (paused, in
+        a weight-update session, memory released, shutting down): SGLang's ``/health`` runs
+        a generation, so it answers 503 then too."""
+        refusal = controller.generation_refusal()
+        if refusal is not None:
+            return error_response(refusal, 503)
         return "OK"
 
-    @app.get("/server_info", response_model=ServerInfo)
-    @app.get("/get_server_info", response_model=ServerInfo)
+    @app.get("/ready", response_class=PlainTextResponse, responses=error_responses(503, auth=False))
+    async def ready() -> Any:
+        """200 once the replica serves generation; 503 while it does not, like ``/health``."""
+        return await health()
+
+    @app.get(
+        "/model_info",
+        response_model=ModelInfo,
+        dependencies=authorized,
+        responses=error_responses(),
+    )
+    async def model_info() -> dict[str, Any]:
+        """The model and the weight version it serves (SGLang's ``/model_info``)."""
+        return controller.model_info()
+
+    @app.get(
+        "/server_info",
+        response_model=ServerInfo,
+        dependencies=authorized,
+        responses=error_responses(),
+    )
+    @app.get(
+        "/get_server_info",
+        response_model=ServerInfo,
+        dependencies=authorized,
+        responses=error_responses(),
+    )
     async def server_info() -> dict[str, Any]:
         """Server arguments (model path, tp_size, dtype, device, ports), state and version."""
         return controller.server_info()
@@ -93,12 +131,14 @@ def create_main_app(
     @app.get(
         "/remote_instance_transfer_engine_info",
         response_model=TransferEngineInfoResponse,
-        responses=error_responses(400, auth=False),
+        dependencies=authorized,
+        responses=error_responses(400),
     )
     @app.get(
         "/get_remote_instance_transfer_engine_info",
         response_model=TransferEngineInfoResponse,
-        responses=error_responses(400, auth=False),
+        dependencies=authorized,
+        responses=error_responses(400),
     )
     async def remote_instance_transfer_engine_info(rank: int | None = None) -> dict[str, Any]:
         """``[session_id, weights_info]`` of one rank; 400 for a missing or unknown rank."""
@@ -107,7 +147,8 @@ def create_main_app(
     @app.get(
         "/parallelism_config",
         response_model=ParallelismConfigModel,
-        responses=error_responses(400, 404, auth=False),
+        dependencies=authorized,
+        responses=error_responses(400, 404),
     )
     async def parallelism_config(rank: int) -> dict[str, int]:
         """The parallelism config dict of one rank."""
@@ -150,43 +191,27 @@ def create_main_app(
         message = await controller.abort_request(body.rid, body.abort_all)
         return {"status": "ok", "message": message}
 
-    @app.post(
-        "/release_memory_occupation",
-        response_model=StatusResponse,
-        dependencies=authorized,
-        responses=error_responses(400),
-    )
-    async def release_memory_occupation(
-        body: MemoryOccupationRequest | None = None,
-    ) -> dict[str, str]:
-        """Release the KV cache; refused (400) unless paused or idle, and for ``weights``."""
+    @app.post("/release_memory_occupation", dependencies=authorized, responses=error_responses(400))
+    async def release_memory_occupation(body: MemoryOccupationRequest | None = None) -> None:
+        """Release the KV cache (JSON ``null``, as SGLang answers); refused (400) unless paused
+        or idle, and for ``weights``."""
         body = body or MemoryOccupationRequest()
-        message = await controller.release_memory_occupation(body.tags)
-        return {"status": "ok", "message": message}
+        await controller.release_memory_occupation(body.tags)
 
-    @app.post(
-        "/resume_memory_occupation",
-        response_model=StatusResponse,
-        dependencies=authorized,
-        responses=error_responses(400),
-    )
-    async def resume_memory_occupation(
-        body: MemoryOccupationRequest | None = None,
-    ) -> dict[str, str]:
-        """Take back released memory."""
-        body = body or MemoryOccupationRequest()
-        message = await controller.resume_memory_occupation(body.tags)
-        return {"status": "ok", "message": message}
+    @app.post("/resume_memory_occupation", dependencies=authorized, responses=error_responses(400))
+    async def resume_memory_occupation(body: MemoryOccupationRequest) -> None:
+        """Take back released memory (JSON ``null``; a body is required, as in SGLang)."""
+        await controller.resume_memory_occupation(body.tags)
 
     @app.post(
         "/flush_cache",
-        response_model=StatusResponse,
+        response_class=PlainTextResponse,
         dependencies=authorized,
         responses=error_responses(),
     )
-    async def flush_cache() -> dict[str, str]:
-        """Drop caches computed with the old weights."""
-        return {"status": "ok", "message": await controller.flush_cache()}
+    async def flush_cache() -> str:
+        """Drop caches computed with the old weights (plain text, as SGLang answers)."""
+        return await controller.flush_cache()
 
     @app.post(
         "/begin_weight_update",
@@ -205,8 +230,9 @@ def create_main_app(
         dependencies=authorized,
         responses={**error_responses(), **SUCCESS_400},
     )
-    async def end_weight_update(body: EndWeightUpdateRequest | None = None) -> Any:
-        """Run post-load processing and close the session; 400 if none is open."""
+    async def end_weight_update(body: EndWeightUpdateRequest) -> Any:
+        """Run post-load processing and close the session; 400 if none is open, and without a
+        JSON body (``{}``), as SGLang."""
         return await success_reply(controller.end_weight_update())
 
     @app.post(
@@ -222,7 +248,12 @@ def create_main_app(
             new_version=body.new_version,
         )
 
-    @app.get("/get_weight_version", response_model=WeightVersionResponse)
+    @app.get(
+        "/get_weight_version",
+        response_model=WeightVersionResponse,
+        dependencies=authorized,
+        responses=error_responses(),
+    )
     async def get_weight_version() -> dict[str, str]:
         """The label of the weights the replica serves."""
         return {"weight_version": controller.weight_version}
@@ -237,12 +268,12 @@ def create_main_app(
         """snapshot / reset_tensors / compare / checksum; 400 with the per-parameter report
         when it fails."""
         try:
-            success, message = await controller.weights_checker(body)
+            success, message, extra = await controller.weights_checker(body)
         except ControlError as exc:
             if exc.status_code != 400:
                 raise
             return success_body(False, str(exc))
-        return success_body(success, message)
+        return success_body(success, message, **extra)
 
     @app.post(
         "/generate",

@@ -21,7 +21,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from weightsync import __version__
 from weightsync.control.models import GenerateRequest, GenerateResponse, WeightsCheckerRequest
+from weightsync.control.protocol import GET_WEIGHT_VERSION, PARALLELISM_CONFIG
 from weightsync.server.http import ControlError
 from weightsync.server.ranks.commands import (
     CONFLICT,
@@ -42,6 +44,8 @@ from weightsync.server.scheduler import GenerationQueue
 
 logger = logging.getLogger(__name__)
 
+# What the reference server serves beyond SGLang 0.5.23, advertised in /server_info.
+CAPABILITIES = (PARALLELISM_CONFIG, GET_WEIGHT_VERSION)
 _STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}
 # Tags of SGLang's memory saver. Parameter memory is registered with the transfer engine and
 # must never move, so "weights" cannot be released here.
@@ -70,7 +74,7 @@ class ReplicaController:
         self._stopping = False
         self._queue = GenerationQueue(
             run=self._generate_on_ranks,
-            blocked=self._refusal,
+            blocked=self.generation_refusal,
             weight_version=lambda: self._weight_version,
         )
 
@@ -100,7 +104,7 @@ class ReplicaController:
             ControlError: 503 while paused, in a weight-update session, with memory released
                 or shutting down; 400 for bad input; 500 if a rank failed.
         """
-        refusal = self._refusal()
+        refusal = self.generation_refusal()
         if refusal is not None:
             raise ControlError(f"generation refused: {refusal}", status_code=503)
         params = request.sampling_params
@@ -193,7 +197,7 @@ class ReplicaController:
     async def flush_cache(self) -> str:
         """Drop cached state computed with old weights (the engine keeps no prefix cache)."""
         await self._run(FlushCache(empty_device_cache=False))
-        return "Cache flushed"
+        return "Cache flushed."
 
     async def begin_weight_update(self, selector: str) -> str:
         """Open a weight-update session on every rank; generation stops until it ends.
@@ -248,13 +252,16 @@ class ReplicaController:
         logger.info("weight version is now %s", new_version)
         return f"Weight version updated to {new_version}"
 
-    async def weights_checker(self, request: WeightsCheckerRequest) -> tuple[bool, str]:
+    async def weights_checker(
+        self, request: WeightsCheckerRequest
+    ) -> tuple[bool, str, dict[str, Any]]:
         """Run a checker action on every rank.
 
         Returns:
-            ``(success, message)``: for ``compare``, the message lists every differing
-            parameter per rank; for ``checksum``, it is JSON ``{"ranks": [{"tp_rank",
-            "checksums": {name: {"sha256", "sum"}}}]}``.
+            ``(success, message, extra)``: for ``compare`` the message lists every differing
+            parameter per rank; for ``checksum`` the message is JSON ``{"ranks": [{"tp_rank",
+            "checksums": {name: {"sha256", "sum"}}}]}`` and `extra` holds SGLang's fields
+            (``ranks``: per rank ``checksums`` ``{name: sha256}`` and ``parallelism_info``).
 
         Raises:
             ControlError: 400 for the ``draft`` selector or a bad skip list.
@@ -274,11 +281,23 @@ class ReplicaController:
                 {"tp_rank": rank, "checksums": r.details["checksums"]}
                 for rank, r in enumerate(results)
             ]
-            return success, json.dumps({"ranks": ranks})
+            tp_size = len(results)
+            sglang_ranks = [
+                {
+                    "checksums": {
+                        name: entry["sha256"] for name, entry in r.details["checksums"].items()
+                    },
+                    "parallelism_info": [
+                        {"role": "target", "tp_rank": rank, "tp_size": tp_size, "rank": rank}
+                    ],
+                }
+                for rank, r in enumerate(results)
+            ]
+            return success, json.dumps({"ranks": ranks}), {"ranks": sglang_ranks}
         message = "\n".join(f"tp rank {rank}: {r.message}" for rank, r in enumerate(results))
         log = logger.info if success else logger.warning
         log("weights_checker %s: %s", request.action, message)
-        return success, message
+        return success, message, {}
 
     async def run_command(self, command: Any) -> list[Any]:
         """Run a server extension's `command` on every rank; each rank's value, by rank.
@@ -298,10 +317,13 @@ class ReplicaController:
         return self.info.server_args()
 
     def server_info(self) -> dict[str, Any]:
-        """The server's arguments, state and version (``GET /server_info``)."""
+        """The server's arguments, state and version (``GET /server_info``): SGLang's keys
+        for what it has, and what it serves beyond SGLang under ``"weightsync"``."""
         return {
             **self.info.server_args(),
+            "status": "ready",
             "weight_version": self._weight_version,
+            "weightsync": {"version": __version__, "capabilities": list(CAPABILITIES)},
             "state": {
                 "paused": self._paused_mode is not None,
                 "pause_mode": self._paused_mode,
@@ -313,8 +335,20 @@ class ReplicaController:
             },
         }
 
-    def _refusal(self) -> str | None:
-        """Why generation may not run now, or ``None``."""
+    def model_info(self) -> dict[str, Any]:
+        """``GET /model_info``: the model and the weight version it serves."""
+        hf_config = self.info.hf_config
+        return {
+            "model_path": self.info.server_args()["model_path"],
+            "weight_version": self._weight_version,
+            "is_generation": True,
+            "model_type": hf_config.get("model_type"),
+            "architectures": hf_config.get("architectures"),
+        }
+
+    def generation_refusal(self) -> str | None:
+        """Why generation may not run now (paused, a session open, memory released, shutting
+        down), or ``None``."""
         if self._stopping or self._driver.stopped:
             return "the server is shutting down"
         if self._session != "closed":

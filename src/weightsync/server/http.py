@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request, Security
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -36,13 +37,34 @@ def error_response(message: str, status_code: int) -> JSONResponse:
 
 
 def install_error_handler(app: FastAPI) -> None:
-    """Answer every `ControlError` a route raises with its status and message."""
+    """Answer every `ControlError` a route raises with its status and message, and a body that
+    does not parse as SGLang does: 400 ``{"object": "error", "message", "type": "Bad
+    Request", "param": null, "code": 400}``."""
 
     async def handle(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ControlError)
         return error_response(str(exc), exc.status_code)
 
+    async def invalid(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        details = "; ".join(
+            f"{'.'.join(str(part) for part in error.get('loc', ()))}: {error.get('msg')}"
+            for error in errors
+        )
+        return JSONResponse(
+            {
+                "object": "error",
+                "message": f"{len(errors)} validation error(s): {details}",
+                "type": "Bad Request",
+                "param": None,
+                "code": 400,
+            },
+            status_code=400,
+        )
+
     app.add_exception_handler(ControlError, handle)
+    app.add_exception_handler(RequestValidationError, invalid)
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
@@ -110,3 +132,25 @@ async def success_reply(message: Awaitable[str], **extra: Any) -> JSONResponse:
         if exc.status_code != 400:
             raise
         return success_body(False, str(exc))
+
+
+_INVALID_DESCRIPTION = "a body or query that does not parse (SGLang's error body)"
+
+
+def describe_validation_as_400(app: FastAPI) -> None:
+    """Make `app`'s OpenAPI document what `install_error_handler` answers: FastAPI lists a
+    422 for every route with parameters; these servers answer 400 instead."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses.setdefault("400", {"description": _INVALID_DESCRIPTION})
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync import __version__
+from weightsync.checkpoint import load_config_dict
 from weightsync.server.config import ServeConfig
 from weightsync.server.http import ControlError
 from weightsync.server.ranks.commands import RankInfo
@@ -25,6 +26,7 @@ class ReplicaInfo:
         self, config: ServeConfig, *, ranks: Sequence[RankInfo], port: int, bootstrap_port: int
     ) -> None:
         self._config = config
+        self.hf_config = load_config_dict(config.model_path)
         self._ranks = list(ranks)
         self._port = port
         self._bootstrap_port = bootstrap_port
@@ -46,6 +48,14 @@ class ReplicaInfo:
             "mooncake_protocol": config.mooncake_protocol,
             "api_key_required": config.api_key is not None,
             "version": __version__,
+            # SGLang's keys for what this server never does: clients read them to refuse
+            # replicas that move their weights.
+            "dp_size": 1,
+            "enable_dp_attention": False,
+            "moe_dense_tp_size": None,
+            "enable_memory_saver": False,
+            "enable_weights_cpu_backup": False,
+            "cpu_offload_gb": 0,
         }
 
     def transfer_engine_info(self, rank: int | None) -> dict[str, Any]:
@@ -54,9 +64,11 @@ class ReplicaInfo:
         Raises:
             ControlError: 400 for a missing or unknown rank.
         """
-        if rank is None or not 0 <= rank < len(self._ranks):
+        if rank is None or rank < 0:
+            raise ControlError("Missing or invalid rank parameter", status_code=400)
+        if rank >= len(self._ranks):
             raise ControlError(
-                f"Missing or invalid rank parameter {rank!r}: this replica has ranks "
+                f"Failed to get transfer engine info for rank {rank}: this replica has ranks "
                 f"0..{len(self._ranks) - 1}",
                 status_code=400,
             )
