@@ -10,3 +10,71 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
 # gloo on loopback only; the machines that run the tests may have no other usable interface.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SGLANG_API_KEY = "sglang-key"
+
+
+@pytest.fixture(scope="session")
+def sglang_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 in float32: SGLang computes in the weights' dtype, so greedy
+    tokens equal the trainer's only in float32."""
+    import torch
+
+    from weightsync.testing.presets import preset_config, write_random_checkpoint
+
+    path = tmp_path_factory.mktemp("sglang-qwen3")
+    return write_random_checkpoint(path, preset_config("tiny"), dtype=torch.float32, seed=11)
+
+
+@pytest.fixture(scope="session")
+def sglang_servers(sglang_checkpoint, tmp_path_factory) -> Iterator[list]:
+    """Two real SGLang 0.5.23 servers (tp 1, float32, API key) on this CPU, started together
+    (each takes 30-80 s here); the first serves the conformance suite, both the sync tests.
+
+    Skipped with the reason when SGLang's venv is not built (``scripts/setup`` builds it).
+    """
+    from sglang_cpu.launch import start_sglang, venv_if_built
+
+    venv = venv_if_built()
+    if venv is None:
+        pytest.skip("real SGLang's venv is not built here: run scripts/setup (setup-sglang)")
+    logs = tmp_path_factory.mktemp("sglang-logs")
+    servers: list = []
+    errors: list[BaseException] = []
+
+    def wait(server) -> None:
+        try:
+            server.wait_ready(600.0)
+        except BaseException as exc:  # raised below, on the test's thread
+            errors.append(exc)
+
+    try:
+        # Launched from this (the main) thread, which outlives them (their parent-death
+        # signal follows the thread that started them); they come up in parallel.
+        for index in range(2):
+            servers.append(
+                start_sglang(
+                    venv,
+                    sglang_checkpoint,
+                    api_key=SGLANG_API_KEY,
+                    log_path=logs / f"sglang{index}.log",
+                    wait=False,
+                )
+            )
+        waits = [threading.Thread(target=wait, args=(server,)) for server in servers]
+        for thread in waits:
+            thread.start()
+        for thread in waits:
+            thread.join()
+        if errors:
+            raise errors[0]
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "layout": {"errors"},
     "torch_dtypes": {"layout"},
-    "checkpoint": {"errors"},
+    "checkpoint": {"errors", "layout"},
     "plan": {"errors", "layout"},
     "transport": {"errors"},
     "control": _BASE,

@@ -94,3 +94,44 @@ def test_a_recorded_sglang_server_info_parses() -> None:
     info = json.loads(json.dumps({**SGLANG, "internal_states": [{"weight_version": "7"}]}))
     assert ReplicaProtocol.from_server_info(info).kind == "sglang"
     assert [derive_parallelism(info, r).tp_rank for r in range(num_ranks(info))] == [0, 1]
+
+
+def test_a_replica_that_moves_its_weights_is_refused_before_any_write() -> None:
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from servers import app_in_thread
+    from weightsync.errors import RemoteReplicaError
+    from weightsync.manager import SyncManager
+
+    calls: list[str] = []
+    app = FastAPI()
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        calls.append("/server_info")
+        return {**SGLANG, "tp_size": 1, "enable_memory_saver": True}
+
+    @app.api_route("/{route:path}", methods=["GET", "POST"])
+    async def anything(route: str) -> dict:
+        calls.append(f"/{route}")
+        return {"status": "ok", "success": True, "message": ""}
+
+    async def push(targets, epoch):
+        raise AssertionError("nothing may be written into a refused replica")
+
+    async def update(url: str) -> None:
+        async with SyncManager([url]) as manager:
+            await manager.update_weights(push)
+
+    with (
+        app_in_thread(app) as url,
+        pytest.raises(RemoteReplicaError, match="--enable-memory-saver") as refused,
+    ):
+        asyncio.run(update(url))
+    assert refused.value.replica == url
+    # Refused from /server_info alone: no rank's addresses were asked for, and the replica
+    # was resumed (its weights were never touched).
+    assert not any("transfer_engine_info" in call for call in calls)
+    assert calls[-2:] == ["/flush_cache", "/continue_generation"]

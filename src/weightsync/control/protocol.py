@@ -113,6 +113,18 @@ def derive_parallelism(server_info: Mapping[str, Any], rank: int) -> Parallelism
     )
 
 
+def served_dtype(server_info: Mapping[str, Any]) -> str | None:
+    """The parameters' dtype a replica reports, or None when it names none (SGLang's
+    ``"auto"`` picks one from the checkpoint by rules of its own)."""
+    dtype = server_info.get("dtype")
+    if dtype in (None, "auto"):
+        return None
+    try:
+        return canonical_dtype_name(dtype)
+    except ValueError:
+        return None
+
+
 # SGLang flags that move, free or repack parameter memory after it was registered, with the
 # setting that is safe: (key in /server_info, is it on?, what to change).
 _UNSAFE_FLAGS: tuple[tuple[str, Any, str], ...] = (

@@ -15,6 +15,7 @@ from weightsync.control.protocol import (
     derive_parallelism,
     num_ranks,
     refusal,
+    served_dtype,
 )
 from weightsync.errors import LayoutMismatchError, RemoteReplicaError, WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
@@ -217,9 +218,10 @@ class SyncManager:
             # weights are intact may serve them again.
             await self._abandon(replicas, resume=not (self._dirty & set(replicas)))
             raise
-        except BaseException:
+        except BaseException as exc:
             self._dirty.update(replicas)
             await self._abandon(replicas, resume=False)
+            exc.add_note(_stay_paused(replicas))
             raise
         t_pushed = time.perf_counter()
 
@@ -228,8 +230,9 @@ class SyncManager:
             await self._on_all(
                 replicas, "update_weight_version", new_version=new_version, abort_all_requests=False
             )
-        except BaseException:
+        except BaseException as exc:
             await self._abandon(replicas, resume=False)
+            exc.add_note(_stay_paused(replicas))
             raise
         await self._on_all(replicas, "end_weight_update")
         armed = [u for u in replicas if u in self._armed]
@@ -306,6 +309,7 @@ class SyncManager:
         parallelism = self._parallelism_of(client, protocol, server_info, ranks)
         infos, configs = await asyncio.gather(engine_infos, parallelism)
         self._protocols[url] = protocol
+        dtype = served_dtype(server_info)
         return [
             TargetRank(
                 replica=url,
@@ -313,6 +317,7 @@ class SyncManager:
                 session_id=session_id,
                 parallelism=config,
                 weights_info={k: tuple(v) for k, v in weights_info.items()},
+                dtype=dtype,
             )
             for rank, (session_id, weights_info), config in zip(ranks, infos, configs, strict=True)
         ]
@@ -397,11 +402,7 @@ class SyncManager:
         if resume:
             await self._resume(replicas, best_effort=True)
         else:
-            logger.error(
-                "update failed after writing began; replicas %s stay paused with mixed weights "
-                "until a later update succeeds",
-                ", ".join(replicas),
-            )
+            logger.error("%s", _stay_paused(replicas))
 
     async def _resume(self, replicas: Sequence[str], *, best_effort: bool = False) -> None:
         """Serve again: take back the KV cache where this update released it, flush, continue."""
@@ -429,6 +430,13 @@ class SyncManager:
                 f"bit-exact check failed on replica {url}: the first sync did not restore the "
                 f"snapshotted weights: {exc}"
             ) from exc
+
+
+def _stay_paused(replicas: Sequence[str]) -> str:
+    return (
+        f"the update failed after writing began: replicas {', '.join(replicas)} stay paused "
+        "(they may hold mixed weights) until a later update to them succeeds"
+    )
 
 
 def _failures(results: dict[str, Any]) -> list[tuple[str, BaseException]]:

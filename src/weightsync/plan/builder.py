@@ -47,7 +47,8 @@ def build_plan(
         hf_config: the model's transformers config or config.json dict.
         targets: every rollout rank to write (any number of replicas).
         sources: every trainer source rank and the HF tensors it can produce.
-        dtype: the rollout dtype (torch dtype or name); default the config's dtype.
+        dtype: the rollout dtype (torch dtype or name); default: the dtype the targets
+            report (`TargetRank.dtype`) when they all report one, else the config's.
 
     Returns:
         The validated plan; ``plan.for_source(rank)`` is what source `rank` executes.
@@ -60,6 +61,8 @@ def build_plan(
             tensor with the wrong shape, or a tensor the layout needs is held by no source.
     """
     _check_unique(targets, sources)
+    if dtype is None:
+        dtype = _reported_dtype(targets)
     groups = _group_targets(hf_config, targets, dtype)
     hf_shapes = hf_tensor_shapes(hf_config)
     units, users = _work_units(groups, hf_shapes)
@@ -125,6 +128,23 @@ def _group_targets(
             )
         )
     return tuple(groups)
+
+
+def _reported_dtype(targets: Sequence[TargetRank]) -> str | None:
+    """The dtype every target reports, or None when one reports none.
+
+    Raises:
+        ValueError: targets report different dtypes (one plan writes one dtype).
+    """
+    reported = {target.dtype for target in targets}
+    if None in reported:
+        return None
+    if len(reported) > 1:
+        raise ValueError(
+            f"the replicas serve different dtypes ({', '.join(sorted(reported))}); one plan "
+            "writes one dtype: sync them separately"
+        )
+    return reported.pop()
 
 
 def _resolved_dtype(groups: Sequence[LayoutGroup]) -> str:

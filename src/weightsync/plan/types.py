@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.layout.dtypes import canonical_dtype_name
 from weightsync.layout.parallelism import ParallelismConfig
 
 
@@ -25,6 +26,8 @@ class TargetRank:
         parallelism: the rank's parallelism config; a dict of its fields is converted.
         weights_info: ``{param_name: (addr, numel, element_size)}`` as the rank published it;
             lists (from JSON) are converted to tuples.
+        dtype: the parameters' dtype as the replica reports it (``/server_info``), when it
+            names one; `build_plan` plans with it unless told another.
 
     Raises:
         ValueError: an empty replica or session id, a negative rank, or a ``weights_info``
@@ -36,8 +39,11 @@ class TargetRank:
     session_id: str
     parallelism: ParallelismConfig
     weights_info: Mapping[str, tuple[int, int, int]] = field(hash=False)
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
         if not self.replica:
             raise ValueError("TargetRank.replica must be a non-empty name")
         if not isinstance(self.rank, int) or self.rank < 0:
