@@ -322,3 +322,56 @@ def test_unknown_source_rank_in_for_source() -> None:
     )
     with pytest.raises(ValueError, match="source rank 7 is not in this plan; its sources are 0, 1"):
         plan.for_source(7)
+
+
+def _sources_with(name: str, meta: TensorMeta) -> list[SourceHolding]:
+    (source,) = simulate_sources(CONFIG, num_sources=1)
+    return [SourceHolding(rank=0, tensors={**source.tensors, name: meta})]
+
+
+def test_an_extra_or_misspelled_tensor_is_refused_unless_skipped() -> None:
+    targets = simulate_targets(CONFIG, tp=2)
+    extra = _sources_with(
+        "model.layers.0.mlp.gate_projj.weight", TensorMeta(shape=(4,), dtype="float32")
+    )
+    with pytest.raises(LayoutMismatchError) as caught:
+        build_plan(hf_config=CONFIG, targets=targets, sources=extra)
+    _assert_names(
+        str(caught.value),
+        "source rank 0 holds 1 tensor(s) the model's checkpoint does not have",
+        "'model.layers.0.mlp.gate_projj.weight'",
+        "skip_tensors",
+    )
+    plan = build_plan(
+        hf_config=CONFIG, targets=targets, sources=extra, skip_tensors=["*.gate_projj.*"]
+    )
+    assert "model.layers.0.mlp.gate_projj.weight" not in plan.for_source(0).work
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8"])
+def test_a_tensor_that_does_not_cast_to_the_rollout_dtype_is_refused(dtype: str) -> None:
+    shape = hf_tensor_shapes(CONFIG)[Q_PROJ]
+    sources = _sources_with(Q_PROJ, TensorMeta(shape=shape, dtype=dtype))
+    with pytest.raises(LayoutMismatchError) as caught:
+        build_plan(hf_config=CONFIG, targets=simulate_targets(CONFIG, tp=2), sources=sources)
+    _assert_names(str(caught.value), Q_PROJ, f"is {dtype}", "does not cast to the rollout's")
+    # Any floating-point dtype casts.
+    ok = _sources_with(Q_PROJ, TensorMeta(shape=shape, dtype="bfloat16"))
+    build_plan(hf_config=CONFIG, targets=simulate_targets(CONFIG, tp=2), sources=ok)
+
+
+def test_aliased_destination_addresses_are_refused_before_any_write() -> None:
+    norm = "model.layers.0.input_layernorm.weight"
+
+    def alias(info: dict) -> None:
+        # A parameter published at an address inside another one.
+        info[norm] = (info[QKV][0] + 64, info[norm][1], info[norm][2])
+
+    with pytest.raises(LayoutMismatchError) as caught:
+        _plan_with_target(alias)
+    _assert_names(
+        str(caught.value),
+        "replica replica1 rank 1",
+        f"parameter {norm!r}",
+        f"overlaps parameter {QKV!r}",
+    )

@@ -589,3 +589,29 @@ def test_repeated_tensors_are_refused(transport) -> None:
 
     with pytest.raises(ValueError, match="twice"):
         Twice(random_model(TINY, seed=51)).geometry()
+
+
+def test_non_finite_values_are_refused_on_the_first_push(receiver: Receiver, transport) -> None:
+    receiver.call(cmd="fill", group="tiny", value=5.0)
+    sender = WeightSender(_config(bucket_bytes=8 << 10), transport=transport)
+    model = random_model(TINY, seed=61)
+    plan = _plan_for(sender, ModelExport(model), receiver, "tiny").for_source(0)
+    name = "model.layers.2.self_attn.o_proj.weight"
+    for bad in (float("nan"), 3.4e38):  # a finite float32 that is infinite in bf16
+        tensors = dict(ModelExport(model))
+        tensors[name] = tensors[name].clone()
+        tensors[name][3, 5] = bad
+        with pytest.raises(ValueError, match=r"o_proj.weight. holds values that are not finite"):
+            sender.push(plan, ModelExport(tensors))
+    assert receiver.call(cmd="unchanged", group="tiny", value=5.0)["changed"] == []
+    sender.push(plan, ModelExport(model))
+    _assert_exact(receiver, "tiny", seed=61)
+    # After a good push the check is off (check_finite="first"); "always" keeps it.
+    sender.push(plan, ModelExport(tensors))
+    always = WeightSender(_config(check_finite="always"), transport=transport)
+    sender.push(plan, ModelExport(model))
+    always.push(plan, ModelExport(model))
+    with pytest.raises(ValueError, match="not finite"):
+        always.push(plan, ModelExport(tensors))
+    always.close()
+    sender.close()

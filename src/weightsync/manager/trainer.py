@@ -56,9 +56,12 @@ class TrainerSync:
         hf_config: the model's HF config (object or config.json dict).
         group: the trainer's torch.distributed process group, or None for one process.
         replicas: the rollout replicas' base URLs (used on the driver rank).
-        dtype: the rollout dtype name; default: the config's.
+        dtype: the rollout dtype name; default: the dtype the replicas report, else the
+            config's.
         transport: a transport opened by the caller, used instead of one built from
             ``config.transport`` (the caller then closes it).
+        skip_tensors: shell patterns of tensors the exports hold that are not the model's
+            checkpoint's (and are to be left out); any other such tensor fails the plan.
 
     Raises:
         ValueError: a bad config or replica URL.
@@ -74,6 +77,7 @@ class TrainerSync:
         replicas: Sequence[str] = (),
         dtype: str | None = None,
         transport: Transport | None = None,
+        skip_tensors: Sequence[str] = (),
     ) -> None:
         self._config = config or SyncConfig()
         self._owns_transport = transport is None
@@ -99,6 +103,7 @@ class TrainerSync:
             raise
         self._hf_config = hf_config
         self._dtype = dtype
+        self._skip_tensors = tuple(skip_tensors)
         self._plan: SourcePlan | None = None  # this rank's share of the current plan
         self._plan_key: tuple[int, tuple[SourceHolding, ...]] | None = None  # driver only
         self._closed = False
@@ -244,7 +249,11 @@ class TrainerSync:
         if self._plan_key == key:
             return None
         plan = build_plan(
-            hf_config=self._hf_config, targets=targets, sources=holdings, dtype=self._dtype
+            hf_config=self._hf_config,
+            targets=targets,
+            sources=holdings,
+            dtype=self._dtype,
+            skip_tensors=self._skip_tensors,
         )
         self._plan_key = key
         return [plan.for_source(h.rank) for h in holdings]

@@ -14,8 +14,10 @@ Steps, each a function below:
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from weightsync.layout import hf_tensor_shapes, rank_layout
@@ -27,6 +29,9 @@ from weightsync.plan.sync_plan import SyncPlan
 from weightsync.plan.types import SourceHolding, TargetRank
 from weightsync.plan.validate import (
     check_coverage,
+    check_disjoint,
+    check_source_dtypes,
+    check_source_names,
     check_source_shapes,
     check_targets,
     describe_holdings,
@@ -40,6 +45,7 @@ def build_plan(
     targets: Sequence[TargetRank],
     sources: Sequence[SourceHolding],
     dtype: Any = None,
+    skip_tensors: Collection[str] = (),
 ) -> SyncPlan:
     """Plan which trainer source writes which bytes of which rollout rank, and check it.
 
@@ -49,6 +55,8 @@ def build_plan(
         sources: every trainer source rank and the HF tensors it can produce.
         dtype: the rollout dtype (torch dtype or name); default: the dtype the targets
             report (`TargetRank.dtype`) when they all report one, else the config's.
+        skip_tensors: names (shell patterns, ``fnmatch``) of tensors a source may hold that
+            are not the checkpoint's; any other such tensor is refused.
 
     Returns:
         The validated plan; ``plan.for_source(rank)`` is what source `rank` executes.
@@ -57,8 +65,10 @@ def build_plan(
         ValueError: no targets or sources, a duplicated target or source rank, or a config
             the layout rules reject.
         LayoutMismatchError: a target published a parameter table that differs from its
-            layout (missing, unexpected, wrong numel or element size), a source holds a
-            tensor with the wrong shape, or a tensor the layout needs is held by no source.
+            layout (missing, unexpected, wrong numel or element size) or parameters whose
+            memory overlaps; a source holds a tensor with the wrong shape, of a dtype that does
+            not cast to the rollout's, or that is not the checkpoint's (and not skipped); or a
+            tensor the layout needs is held by no source.
     """
     _check_unique(targets, sources)
     if dtype is None:
@@ -72,6 +82,9 @@ def build_plan(
         for name in source.tensors:
             holders[name].append(source.rank)
     problems = check_targets(groups)
+    problems += check_disjoint(targets)
+    problems += check_source_names(sources, hf_shapes, _skipper(skip_tensors))
+    problems += check_source_dtypes(sources, _resolved_dtype(groups))
     problems += check_source_shapes(sources, hf_shapes, users)
     problems += _check_held(units, holders, users, sources, hf_shapes)
     raise_if_problems(problems)
@@ -95,6 +108,11 @@ def build_plan(
         source_plans=source_plans,
         num_write_regions=sum(_num_write_regions(sp) for sp in source_plans.values()),
     )
+
+
+def _skipper(patterns: Collection[str]) -> Callable[[str], bool]:
+    compiled = [re.compile(fnmatch.translate(pattern)) for pattern in patterns]
+    return lambda name: any(pattern.match(name) for pattern in compiled)
 
 
 def _check_unique(targets: Sequence[TargetRank], sources: Sequence[SourceHolding]) -> None:

@@ -6,10 +6,11 @@ The checks collect every problem they find, so one `LayoutMismatchError` reports
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from weightsync.errors import LayoutMismatchError
 from weightsync.layout import layer_index
+from weightsync.layout.dtypes import FLOAT_DTYPES
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.types import ParamLayout
 from weightsync.plan.items import CopyItem, LayoutGroup
@@ -104,6 +105,82 @@ def _element_size_problems(
         "rollout's dtype"
         for param, size in wrong
     ]
+
+
+def check_disjoint(targets: Iterable[TargetRank]) -> list[str]:
+    """Check that no two parameters a rank published share a byte of memory.
+
+    A parameter whose address lies inside another's (a stale or wrong ``weights_info``)
+    would have its bytes overwritten by the other's, and serve them: refused before any
+    write.
+
+    Returns:
+        One sentence per overlapping pair.
+    """
+    problems: list[str] = []
+    for target in targets:
+        spans = sorted(
+            (addr, addr + numel * element_size, name)
+            for name, (addr, numel, element_size) in target.weights_info.items()
+            if numel
+        )
+        reach_end, reach_name = None, None
+        for start, end, name in spans:
+            if reach_end is not None and start < reach_end:
+                problems.append(
+                    f"{_where(target)}: parameter {name!r} at [{start:#x}, {end:#x}) overlaps "
+                    f"parameter {reach_name!r}, which ends at {reach_end:#x}: every parameter "
+                    "must own its bytes (the replica published aliased or stale addresses)"
+                )
+            if reach_end is None or end > reach_end:
+                reach_end, reach_name = end, name
+    return problems
+
+
+def check_source_dtypes(sources: Iterable[SourceHolding], rollout_dtype: str) -> list[str]:
+    """Check that every tensor a source holds can be cast to the rollout's dtype without
+    losing its meaning: floating point into floating point, integers into the same integers.
+
+    Returns:
+        One sentence per tensor of another kind (an int32 tensor for a bf16 rollout, bool).
+    """
+    problems: list[str] = []
+    rollout_float = rollout_dtype in FLOAT_DTYPES
+    for source in sources:
+        for name, meta in source.tensors.items():
+            held_float = meta.dtype in FLOAT_DTYPES
+            if held_float != rollout_float or (not held_float and meta.dtype != rollout_dtype):
+                problems.append(
+                    f"source rank {source.rank}: HF tensor {name!r} is {meta.dtype}, which "
+                    f"does not cast to the rollout's {rollout_dtype}: export the weights in a "
+                    "floating-point dtype"
+                )
+    return problems
+
+
+def check_source_names(
+    sources: Iterable[SourceHolding],
+    hf_shapes: Mapping[str, tuple[int, ...]],
+    skip: Callable[[str], bool],
+) -> list[str]:
+    """Check that every tensor a source holds is one of the checkpoint's, or one the caller
+    said to skip: a misspelled or extra name is a mistake the plan would otherwise hide.
+
+    Returns:
+        One sentence listing the unknown names of each source.
+    """
+    problems: list[str] = []
+    for source in sources:
+        unknown = [n for n in source.tensors if n not in hf_shapes and not skip(n)]
+        if unknown:
+            shown = ", ".join(repr(n) for n in unknown[:_MAX_LISTED])
+            more = f" and {len(unknown) - _MAX_LISTED} more" if len(unknown) > _MAX_LISTED else ""
+            problems.append(
+                f"source rank {source.rank} holds {len(unknown)} tensor(s) the model's "
+                f"checkpoint does not have: {shown}{more}; fix the names, or pass them as "
+                "expected to be skipped (skip_tensors)"
+            )
+    return problems
 
 
 def check_source_shapes(

@@ -14,6 +14,8 @@ MIB = 1 << 20
 SLOT_ALIGN_BYTES = 64
 
 StagingKind = Literal["auto", "host", "cuda"]
+FiniteCheck = Literal["first", "always", "never"]
+FINITE_CHECKS: tuple[str, ...] = ("first", "always", "never")
 HOST_CHUNK_BYTES = 64 * MIB
 GPU_CHUNK_BYTES = 256 * MIB
 
@@ -44,6 +46,11 @@ class SenderConfig:
             None: 64 MiB for a host ring, 256 MiB for a GPU ring (a chunk costs ~0.1 ms of
             Python, which a GPU link at ~390 GB/s would otherwise wait on between 64 MiB
             chunks).
+        check_finite: refuse, before anything is written, a push whose tensors hold a value
+            that is not finite in the rollout's dtype (NaN, or infinite once cast, as a
+            float32 3.4e38 becomes in bf16): ``"first"`` on a sender's first push,
+            ``"always"``, or ``"never"``. The check reads every tensor once more, so by
+            default it runs only until a push succeeded.
 
     Raises:
         ValueError: a non-positive size, count or timeout, an unknown staging kind, or
@@ -58,6 +65,7 @@ class SenderConfig:
     pin_memory: bool = field(default_factory=torch.cuda.is_available)
     max_outstanding_per_peer: int = 1000
     chunk_bytes: int | None = None
+    check_finite: FiniteCheck = "first"
 
     def __post_init__(self) -> None:
         names = (
@@ -81,6 +89,11 @@ class SenderConfig:
                 )
         if not self.timeout_s > 0:
             raise ValueError(f"SenderConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.check_finite not in FINITE_CHECKS:
+            raise ValueError(
+                f"SenderConfig.check_finite must be one of {FINITE_CHECKS}, "
+                f"got {self.check_finite!r}"
+            )
         if self.staging not in ("auto", "host", "cuda"):
             raise ValueError(
                 f"SenderConfig.staging must be 'auto', 'host' or 'cuda', got {self.staging!r}"

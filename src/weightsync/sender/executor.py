@@ -57,7 +57,12 @@ class ProgramRun:
     """
 
     def __init__(
-        self, program: PushProgram, *, ring: StagingRing, filler: SlotFiller, queue: WriteQueue
+        self,
+        program: PushProgram,
+        *,
+        ring: StagingRing,
+        filler: SlotFiller,
+        queue: WriteQueue,
     ) -> None:
         self._program = program
         self._ring = ring

@@ -18,6 +18,7 @@ from weightsync.sender.fill import SlotFiller
 from weightsync.sender.staging import StagingRing, transport_reads
 from weightsync.sender.stats import PushStats
 from weightsync.sender.writes import WriteQueue
+from weightsync.torch_dtypes import torch_dtype
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
@@ -79,6 +80,7 @@ class WeightSender:
         )
         self._plan: SourcePlan | None = None
         self._programs: list[PushProgram] = []
+        self._pushed = False  # a push has completed (check_finite="first" checks until then)
         self._closed = False
 
     @property
@@ -152,8 +154,9 @@ class WeightSender:
 
         Raises:
             ValueError: the export does not hold what the plan needs in the shapes the plan
-                was built for (raised before anything is written), or its stream differs
-                from its geometry (raised before that tensor is staged).
+                was built for, or a value that is not finite in the rollout's dtype (with
+                ``check_finite``), both raised before anything is written; or its stream
+                differs from its geometry (raised before that tensor is staged).
             TransferError: a write failed or timed out; names the target and parameters.
         """
         if self._closed:
@@ -161,17 +164,18 @@ class WeightSender:
         start = time.perf_counter()
         program, cached = self.program_for(plan, export)
         lowered = time.perf_counter()
+        check = self.config.check_finite
+        if check == "always" or (check == "first" and not self._pushed):
+            refuse_non_finite(program, export)
         run = ProgramRun(
-            program,
-            ring=self._ring_for(program.staging),
-            filler=self._filler,
-            queue=self._queue,
+            program, ring=self._ring_for(program.staging), filler=self._filler, queue=self._queue
         )
         try:
             run.execute(iter(export))
         except BaseException:
             self._queue.drain()
             raise
+        self._pushed = True
         counters = program.counters
         return PushStats(
             rank=self.rank,
@@ -258,3 +262,32 @@ class WeightSender:
                 f"{'does not' if on_gpu else 'was not asked'}; use staging='auto' or 'host'"
             )
         return device if readable else torch.device("cpu")
+
+
+def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
+    """Raise, before anything is written, if a tensor the program reads holds a value that is
+    NaN or infinite once cast to the rollout's dtype (a float32 weight of 3.4e38 is finite,
+    and infinite in bfloat16).
+
+    Reads every such tensor once (two reductions each: the cast of the largest and smallest
+    value decides, as rounding is monotonic).
+
+    Raises:
+        ValueError: naming the tensor, the trainer rank and what to do.
+    """
+    dtype = torch_dtype(program.dtype)
+    if not dtype.is_floating_point:
+        return
+    needed = set(program.keys)
+    with torch.no_grad():
+        for name, tensor in export:
+            if name not in needed or not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            bounds = torch.stack([tensor.amax(), tensor.amin()]).to(dtype)
+            if not bool(torch.isfinite(bounds).all()):
+                raise ValueError(
+                    f"trainer rank {program.plan.rank}: HF tensor {name!r} holds values that "
+                    f"are not finite in the rollout's {program.dtype} (NaN, or beyond its range "
+                    "once cast); nothing was written. Fix the trainer's weights, or set "
+                    "SenderConfig(check_finite='never') to write them anyway"
+                )
