@@ -133,7 +133,8 @@ def run_workload(args: argparse.Namespace, config: dict, workdir: Path, label: s
             links: dict[str, list[float]] = {}
             for repeat in range(args.repeats):
                 for method in args.methods if repeat % 2 == 0 else args.methods[::-1]:
-                    report = trainers.run(method)["report"]
+                    event = trainers.run(method)
+                    report = {**event["report"], "replica_digest_s": event["replica_digest_s"]}
                     runs[method].append(report)
                     log(f"  {method}: {report['seconds']:.3f} s, bit-exact")
                 for key, seconds in ceiling.measure().items():
@@ -156,6 +157,15 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
     p2p = runs["p2p"]
     p2p_gbps = num_bytes / seconds["p2p"] / 1e9
     push_gbps = num_bytes / push["p2p"] / 1e9
+    verify = None
+    if "p2p-nodigest" in runs:
+        replica_s = median([r["replica_digest_s"] for r in runs["p2p"]])
+        sender_s = seconds["p2p"] - seconds["p2p-nodigest"]
+        verify = {
+            "sender_s": sender_s,
+            "replica_s": replica_s,
+            "fraction_of_sync": (max(sender_s, 0.0) + replica_s) / seconds["p2p"],
+        }
     slowest = {  # per run, the slowest rank's fill and write seconds
         key: median([max(s[key] for s in r["sources"].values()) for r in p2p])
         for key in ("fill_seconds", "write_seconds")
@@ -166,6 +176,7 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
         "bytes": num_bytes,
         "p2p_s": seconds["p2p"],
         "baseline_s": seconds["baseline"],
+        "p2p-nodigest_s": seconds["p2p-nodigest"],
         "speedup": seconds["baseline"] / seconds["p2p"],
         "p2p_gbps": p2p_gbps,
         "ceiling": ceiling,
@@ -179,6 +190,7 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
         "p2p_write_s": slowest["write_seconds"],
         "p2p_num_writes": p2p[-1]["num_writes"],
         "p2p_cached_program": all(r["cached_program"] for r in p2p),
+        "verification": verify,
         "links_gbps": links_gbps,
         "transport": args.transport,
         "model_bytes": model_bytes(config, canonical_dtype_name(args.dtype)),
@@ -230,6 +242,13 @@ def print_result(result: dict[str, Any]) -> None:
     )
     push = f"{result['push_fraction_of_ceiling']:.0%}" if fraction else "(no ceiling)"
     print(f"speedup over the baseline: {result['speedup']:.2f}x; P2P at {at}{push}")
+    verify = result["verification"]
+    if verify is not None:
+        print(
+            f"verification: senders' digests {verify['sender_s'] * 1e3:+.1f} ms (p2p against "
+            f"p2p-nodigest), replicas' digests {verify['replica_s'] * 1e3:.1f} ms: "
+            f"{verify['fraction_of_sync']:.1%} of the sync"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -244,7 +263,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trainer-pp", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--rollout-gpu-offset", type=int, help="first rollout GPU (default: after)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument(
+        "--methods", nargs="+", choices=METHODS, default=["p2p", "baseline"],
+        help="p2p-nodigest: p2p without the senders' digests, to measure what verifying costs",
+    )  # fmt: skip
     p.add_argument("--transport", choices=sorted(TRANSPORTS), help="default: by device")
     p.add_argument("--dtype", default="bf16", choices=ROLLOUT_DTYPE_CHOICES)
     p.add_argument("--trainer-dtype", choices=ROLLOUT_DTYPE_CHOICES, help="default: --dtype")

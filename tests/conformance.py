@@ -114,7 +114,10 @@ def check_transfer_engine_info(server: Endpoint) -> None:
         main = server.get(f"/remote_instance_transfer_engine_info?rank={rank}")
         boot = server.get(f"/get_transfer_engine_info?rank={rank}", base=server.bootstrap_url)
         assert main.status == boot.status == 200
-        assert main.body == boot.body and main.body["rank"] == rank
+        # SGLang's fields agree; the main server may add its own (registered_regions).
+        fields = ("rank", "remote_instance_transfer_engine_info")
+        assert {k: main.body[k] for k in fields} == {k: boot.body[k] for k in fields}
+        assert main.body["rank"] == rank
         session_id, weights_info = main.body["remote_instance_transfer_engine_info"]
         assert session_id.startswith("127.0.0.1:")
         layout = rank_layout(config, ParallelismConfig(tp_size=server.tp, tp_rank=rank))
@@ -203,14 +206,34 @@ def _checksums(server: Endpoint) -> list[dict]:
 
 
 def check_weights_checker_and_push(server: Endpoint, tmp_path: Path) -> None:
+    # Whatever an earlier test synced, the checkpoint's bytes first.
+    _push_checkpoint(server)
     before = _checksums(server)
     assert server.post("/weights_checker", {"action": "snapshot"}).body["success"] is True
+    # Randomising a serving replica's weights is for a paused one (the reference refuses
+    # it while serving).
+    assert server.post("/pause_generation", {}).status == 200
     assert server.post("/weights_checker", {"action": "reset_tensors"}).body["success"] is True
     assert _checksums(server) != before
     differs = server.post("/weights_checker", {"action": "compare"})
     assert differs.status == 400 and differs.body["success"] is False
     assert server.post("/weights_checker", {"action": "nope"}).status == 400
     # `weightsync push` of the checkpoint restores every byte.
+    result = _push_checkpoint(server)
+    assert result["bytes"] > 0 and result["version"] is not None
+    after = _checksums(server)
+    differing = [
+        (rank, name)
+        for rank, sums in enumerate(after)
+        for name in sums
+        if sums[name] != before[rank].get(name)
+    ]
+    assert not differing, differing
+    assert server.get("/model_info").body["weight_version"] == result["version"]
+    assert server.get("/health").status == 200  # the push resumed it
+
+
+def _push_checkpoint(server: Endpoint) -> dict:
     done = subprocess.run(
         [
             sys.executable, "-m", "weightsync", "push", str(server.checkpoint),
@@ -224,9 +247,7 @@ def check_weights_checker_and_push(server: Endpoint, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ok"] is True and result["replicas"] == [server.url]
-    assert result["bytes"] > 0 and result["version"] is not None
-    assert _checksums(server) == before
-    assert server.get("/model_info").body["weight_version"] == result["version"]
+    return result
 
 
 def _environ() -> dict[str, str]:

@@ -11,6 +11,7 @@ os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
 # gloo on loopback only; the machines that run the tests may have no other usable interface.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,17 @@ from pathlib import Path
 import pytest
 
 SGLANG_API_KEY = "sglang-key"
+
+
+def pytest_sessionstart(session) -> None:
+    """Make SIGTERM interrupt the run like Ctrl-C, so that fixture finalizers run and stop the
+    servers they started. (SIGKILL cannot be caught: then the servers stop themselves, as
+    their parent-death signal fires.)"""
+
+    def interrupt(signum: int, frame) -> None:
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @pytest.fixture(scope="session")

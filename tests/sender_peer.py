@@ -6,7 +6,7 @@ from `rank_layout`, register them with one `MooncakeTransport` per rank (or, wit
 line ``{"targets": [...]}`` (the readiness signal). Then answer JSON commands on stdin, one
 reply line each: ``fill`` (every parameter set to a value), ``check`` (compare with
 `shard_state_dict` of a seeded random model; list what differs), ``unchanged`` (list what is
-no longer the fill value), ``quit``.
+no longer the fill value), ``digests`` (every rank's parameter digests), ``quit``.
 
 ``send``: one trainer rank (of a gloo group when ``--world-size > 1``) exports its pipeline
 stage of a seeded random model, builds the plan for the given targets and pushes; prints its
@@ -29,6 +29,7 @@ import torch
 from weightsync.export import ModelExport
 from weightsync.layout import ParallelismConfig, rank_layout
 from weightsync.plan import TargetRank, build_plan
+from weightsync.receiver.digest import ParameterDigests
 from weightsync.receiver.loader import shard_state_dict
 from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import random_model
@@ -96,6 +97,13 @@ def _receive(groups: list[dict[str, Any]], dtype: str, cuda_device: int | None) 
                 if not bool((tensor == command["value"]).all())
             ]
             _reply({"changed": changed})
+        elif command["cmd"] == "digests":
+            _reply(
+                {
+                    transport.session_id: ParameterDigests(params).compute()
+                    for _, _, transport, params in selected
+                }
+            )
         elif command["cmd"] == "check":
             model = random_model(selected[0][0]["model"], seed=command["seed"])
             hf_state = dict(ModelExport(model))

@@ -47,8 +47,8 @@ def test_register_and_read_back(bootstrap_url):
 
 
 def test_bootstrap_errors_name_replica_route_status_and_message(bootstrap_url):
-    async def fails(call):
-        async with BootstrapClient(bootstrap_url) as client:
+    async def fails(call, api_key: str | None = "secret"):
+        async with BootstrapClient(bootstrap_url, api_key=api_key) as client:
             with pytest.raises(RemoteReplicaError) as info:
                 await call(client)
             return info.value
@@ -66,8 +66,13 @@ def test_bootstrap_errors_name_replica_route_status_and_message(bootstrap_url):
     no_config = _run(fails(lambda c: c.get_parallelism_config(5)))
     assert no_config.status_code == 404 and "No parallelism config for rank 5" in str(no_config)
 
-    unauthorized = _run(fails(lambda c: c.register_transfer_engine_info(0, "h:1", WEIGHTS_INFO)))
-    assert unauthorized.status_code == 401 and "Authorization: Bearer" in str(unauthorized)
+    # Writes and reads alike need the key.
+    for call in (
+        lambda c: c.register_transfer_engine_info(0, "h:1", WEIGHTS_INFO),
+        lambda c: c.get_transfer_engine_info(3),
+    ):
+        unauthorized = _run(fails(call, api_key=None))
+        assert unauthorized.status_code == 401 and "Authorization: Bearer" in str(unauthorized)
 
 
 def test_bootstrap_wrong_key_is_refused(bootstrap_url):

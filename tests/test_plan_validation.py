@@ -375,3 +375,30 @@ def test_aliased_destination_addresses_are_refused_before_any_write() -> None:
         f"parameter {norm!r}",
         f"overlaps parameter {QKV!r}",
     )
+
+
+def test_parameters_outside_the_registered_regions_are_refused_before_any_write() -> None:
+    import dataclasses
+
+    targets = simulate_targets(CONFIG, tp=2, replicas=2)
+    spans = [(addr, numel * size) for addr, numel, size in targets[3].weights_info.values()]
+    start = min(a for a, _ in spans)
+    end = max(a + n for a, n in spans)
+    sources = simulate_sources(CONFIG, num_sources=2)
+    # The whole span registered: accepted.
+    targets[3] = dataclasses.replace(targets[3], regions=((start, end - start),))
+    build_plan(hf_config=CONFIG, targets=targets, sources=sources)
+    # The last 64 bytes not registered: the parameter ending there is refused, by name.
+    last = max(targets[3].weights_info, key=lambda n: targets[3].weights_info[n][0])
+    targets[3] = dataclasses.replace(targets[3], regions=((start, end - start - 64),))
+    with pytest.raises(LayoutMismatchError) as caught:
+        build_plan(hf_config=CONFIG, targets=targets, sources=sources)
+    _assert_names(
+        str(caught.value),
+        "replica replica1 rank 1",
+        repr(last),
+        "outside every memory region",
+    )
+    # A rank that publishes no regions is not checked.
+    targets[3] = dataclasses.replace(targets[3], regions=None)
+    build_plan(hf_config=CONFIG, targets=targets, sources=sources)

@@ -204,7 +204,7 @@ def test_publish_to_bootstrap_server(transports):
         agent.publish(url, api_key="k")
 
         async def read() -> tuple:
-            async with BootstrapClient(url) as client:
+            async with BootstrapClient(url, api_key="k") as client:
                 return (
                     await client.get_transfer_engine_info(1),
                     await client.get_parallelism_config(1),

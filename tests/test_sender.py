@@ -189,6 +189,52 @@ def test_push_fp32_into_bf16_tp2_is_bit_exact(receiver: Receiver, transport) -> 
         sender.push(plan.for_source(0), ModelExport(model))
 
 
+@pytest.mark.parametrize(
+    ("group", "bucket_bytes", "num_sources"),
+    [("tiny", 4096, 1), ("moe", 64 << 20, 2), ("large", 8 << 20, 1)],
+)
+def test_the_senders_digests_are_what_the_receiver_holds(
+    receiver: Receiver, transport, group: str, bucket_bytes: int, num_sources: int
+) -> None:
+    # Small buckets cut parameters into many runs (and chunks); two sources split the
+    # MoE model's layers, so each parameter's digest is the sum of two partial ones.
+    receiver.call(cmd="fill", group=group, value=3.0)
+    model = random_model(MODELS[group], seed=9)
+    sender = WeightSender(_config(bucket_bytes=bucket_bytes), transport=transport)
+    plans, exports = _split_sources(sender, model, receiver, group, num_sources)
+    totals: dict[str, dict[str, int]] = {}
+    for plan, export in zip(plans, exports, strict=True):
+        stats = sender.push(plan, export)
+        for session_id, digests in stats.digests.items():
+            for name, value in digests.items():
+                totals.setdefault(session_id, {})[name] = (
+                    totals.get(session_id, {}).get(name, 0) + value
+                )
+    held = receiver.call(cmd="digests", group=group)
+    assert totals == held
+    sender.close()
+
+
+def _split_sources(sender, model, receiver, group, num_sources):
+    """One export per source rank (layers split between them), and each one's plan."""
+    from weightsync.export import TensorsExport
+
+    state = dict(ModelExport(model))
+    names = list(state)
+    shares = [names[i::num_sources] for i in range(num_sources)]
+    exports = [TensorsExport({n: state[n] for n in share}) for share in shares]
+    holdings = [
+        SourceHolding(rank=rank, tensors=export.holding()) for rank, export in enumerate(exports)
+    ]
+    plan = build_plan(
+        hf_config=MODELS[group],
+        targets=receiver.target_ranks(group),
+        sources=holdings,
+        dtype="bfloat16",
+    )
+    return [plan.for_source(rank) for rank in range(num_sources)], exports
+
+
 def test_small_buckets_split_items_over_many_slots(receiver: Receiver, transport) -> None:
     receiver.call(cmd="fill", group="tiny", value=7.0)
     sender = WeightSender(

@@ -103,8 +103,12 @@ def test_transfer_engine_info_both_spellings(replica, http, checkpoint):
             body
             == http.get("/get_remote_instance_transfer_engine_info", params={"rank": rank}).json()
         )
-        boot = httpx.get(f"{replica.bootstrap_url}/get_transfer_engine_info?rank={rank}").json()
-        assert body == boot
+        boot = httpx.get(
+            f"{replica.bootstrap_url}/get_transfer_engine_info?rank={rank}", headers=AUTH
+        ).json()
+        # SGLang's fields agree; the main server adds the regions the rank registered.
+        assert {k: v for k, v in body.items() if k != "registered_regions"} == boot
+        assert all(size > 0 for _, size in body["registered_regions"])
         assert body["rank"] == rank
         session_id, weights_info = body["remote_instance_transfer_engine_info"]
         host, port = session_id.split(":")
@@ -122,10 +126,13 @@ def test_transfer_engine_info_both_spellings(replica, http, checkpoint):
         refused = http.get("/remote_instance_transfer_engine_info", params=params)
         assert refused.status_code == 400
         assert "rank" in refused.json()["error"]["message"]
-    boot_404 = httpx.get(f"{replica.bootstrap_url}/get_transfer_engine_info?rank={TP}")
+    boot_404 = httpx.get(
+        f"{replica.bootstrap_url}/get_transfer_engine_info?rank={TP}", headers=AUTH
+    )
     assert boot_404.status_code == 404
     assert boot_404.json() == {"detail": f"No transfer engine info for rank {TP}"}
-    assert httpx.get(f"{replica.bootstrap_url}/get_transfer_engine_info?rank=-1").status_code == 400
+    boot_400 = httpx.get(f"{replica.bootstrap_url}/get_transfer_engine_info?rank=-1", headers=AUTH)
+    assert boot_400.status_code == 400
     assert httpx.get(f"{replica.bootstrap_url}/health").text == "OK"
 
 
@@ -134,12 +141,15 @@ def test_parallelism_config(replica, http):
         expected = ParallelismConfig(tp_size=TP, tp_rank=rank)
         body = http.get("/parallelism_config", params={"rank": rank}).json()
         assert body == expected.to_dict()
-        boot = httpx.get(f"{replica.bootstrap_url}/get_parallelism_config?rank={rank}").json()
+        boot = httpx.get(
+            f"{replica.bootstrap_url}/get_parallelism_config?rank={rank}", headers=AUTH
+        ).json()
         assert boot == body
         assert _call(replica, "get_parallelism_config", rank) == expected
     assert http.get("/parallelism_config", params={"rank": TP}).status_code == 404
     assert http.get("/parallelism_config", params={"rank": -1}).status_code == 400
-    assert httpx.get(f"{replica.bootstrap_url}/get_parallelism_config?rank=9").status_code == 404
+    boot_404 = httpx.get(f"{replica.bootstrap_url}/get_parallelism_config?rank=9", headers=AUTH)
+    assert boot_404.status_code == 404
 
 
 def _hf_greedy(checkpoint: Path, prompt: list[int], num_tokens: int) -> list[int]:
@@ -403,7 +413,9 @@ def test_weights_checker_and_restore_over_mooncake(replica, http, checkpoint):
         no_snapshot = http.post("/weights_checker", json={"action": "compare"}, headers=AUTH)
         assert no_snapshot.status_code == 400 and no_snapshot.json()["success"] is False
 
-        # Corrupt, see compare fail naming the parameters on every rank.
+        # Corrupt (a paused replica: a serving one refuses), see compare fail naming the
+        # parameters on every rank.
+        _call(replica, "pause_generation")
         for action in ("snapshot", "reset_tensors"):
             body = {"action": action, "allow_quant_error": False, "selector": "target"}
             reply = http.post(
@@ -434,10 +446,12 @@ def test_weights_checker_and_restore_over_mooncake(replica, http, checkpoint):
         _call(replica, "weights_checker", "reset_tensors", skip_tensor_list=["model.norm."])
         _call(replica, "begin_weight_update")
         writer.write_all()
+        _call(replica, "update_weight_version", "restored")
         _call(replica, "end_weight_update")
         passed = _call(replica, "weights_checker", "compare", allow_quant_error=False)
         assert passed.success and "35 parameters equal the snapshot (bitwise)" in passed.message
         assert _checksums(replica) == before
+        _call(replica, "continue_generation")
         restored = _call(replica, "generate", PROMPT, max_new_tokens=8)
         assert restored.output_ids == tokens
         assert restored.meta_info.weight_version == "restored"

@@ -111,3 +111,44 @@ def test_the_driver_loop_never_blocks_on_a_collective(tmp_path) -> None:
         )
     # A collective run on the loop would have stalled it for the follower's 1.5 s.
     assert stall < 0.5, stall
+
+
+def _stopped_follower(rank: int, group) -> dict:
+    """Rank 2 stops itself (SIGSTOP) before a sync; ranks 0 and 1 must fail within the
+    collective timeout with the same error, and rank 2, continued, fails too."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    import weightsync as ws
+    from weightsync.manager.collective import CollectiveError
+    from weightsync.testing.presets import random_model
+
+    config = ws.SyncConfig(collective_timeout_s=2.0, transport=ws.MooncakeConfig(timeout_s=5))
+    pids: list = [None] * 3
+    with ws.TrainerSync(
+        config, hf_config=TINY, group=group, replicas=["http://127.0.0.1:9"]
+    ) as sync:
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            sync.sync(ws.ModelExport(random_model(TINY, seed=1)))
+        except CollectiveError as exc:
+            outcome = {"seconds": time.monotonic() - start, "error": str(exc)}
+        else:
+            outcome = {"seconds": time.monotonic() - start, "error": None}
+        if rank == 0:
+            os.kill(pids[2], signal.SIGCONT)
+    return outcome
+
+
+def test_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout() -> None:
+    outcomes = run_in_process_group(3, _stopped_follower, timeout_s=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["error"] is not None, (rank, outcome)
+        assert "all-gather of the holdings" in outcome["error"]
+        assert "2 s timeout" in outcome["error"]
+    assert outcomes[0]["seconds"] < 6 and outcomes[1]["seconds"] < 6, outcomes

@@ -26,8 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import (
     LayoutMismatchError,
+    PartialPushError,
+    PartialSyncError,
     RemoteReplicaError,
     TransferError,
+    WeightsRefusedError,
     WeightSyncError,
 )
 
@@ -74,6 +77,8 @@ __all__ = [
     "LayoutMismatchError",
     "ModelExport",
     "MooncakeConfig",
+    "PartialPushError",
+    "PartialSyncError",
     "PushStats",
     "RemoteReplicaError",
     "SenderConfig",
@@ -84,5 +89,6 @@ __all__ = [
     "TransferError",
     "WeightExport",
     "WeightSyncError",
+    "WeightsRefusedError",
     "__version__",
 ]

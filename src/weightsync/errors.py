@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class WeightSyncError(RuntimeError):
@@ -19,6 +20,12 @@ class LayoutMismatchError(WeightSyncError, ValueError):
     Raised while a plan is built, before any byte is written. The message names the parameter,
     the rank and the expected and actual sizes.
     """
+
+
+class WeightsRefusedError(WeightSyncError, ValueError):
+    """The trainer's weights were refused before any byte was written: values that are not
+    finite in the rollout's dtype (NaN, or beyond its range once cast). The message names the
+    tensor and the trainer rank."""
 
 
 class TransferError(WeightSyncError):
@@ -63,6 +70,66 @@ class TransferError(WeightSyncError):
                 },
             ),
         )
+
+
+class PartialPushError(TransferError):
+    """Writes to some targets failed (the first failure is the message); every write to the
+    other targets landed.
+
+    Attributes:
+        failed: ``{session_id: why}`` of every target a write to failed; no more writes went
+            to a target once one failed.
+        result: what the push wrote (a `PushStats` from one sender, a `PushSummary` from a
+            sync's push), digests included, so that the targets that got everything can be
+            finished.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failed: Mapping[str, str],
+        result: Any = None,
+        **transfer: Any,
+    ) -> None:
+        super().__init__(message, **transfer)
+        self.failed = dict(failed)
+        self.result = result
+
+    def __reduce__(self):
+        return (
+            _rebuild,
+            (
+                type(self),
+                str(self),
+                {
+                    "target_session": self.target_session,
+                    "byte_ranges": self.byte_ranges,
+                    "return_code": self.return_code,
+                    "param_name": self.param_name,
+                    "failed": self.failed,
+                    "result": self.result,
+                },
+            ),
+        )
+
+
+class PartialSyncError(WeightSyncError):
+    """A sync updated some replicas and failed on others after writing to them: those stay
+    paused (and dirty) until a later sync to them succeeds; the updated ones serve.
+
+    Attributes:
+        report: the sync's report over the replicas that were updated.
+        failed: ``{replica_url: why}`` of the replicas it failed on.
+    """
+
+    def __init__(self, message: str, *, report: Any, failed: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.report = report
+        self.failed = dict(failed)
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), {"report": self.report, "failed": self.failed}))
 
 
 class RemoteReplicaError(WeightSyncError):

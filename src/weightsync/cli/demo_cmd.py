@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import queue
 import secrets
 import shutil
@@ -22,6 +23,7 @@ from rich.table import Table
 
 from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
+from weightsync.server.lifetime import ParentGoneError, exit_with_parent
 from weightsync.testing.launcher import ServedReplica, start_replicas
 from weightsync.testing.presets import DEMO_PRESETS, preset_config, write_random_checkpoint
 
@@ -49,7 +51,8 @@ def demo(
     loopback, snapshots and corrupts their weights, runs a torch.distributed (gloo) trainer
     that takes real optimizer steps, and syncs after each step (plus once before the first).
     Exits non-zero if the first sync is not bit-exact or a replica's greedy generation ever
-    differs from the trainer model's.
+    differs from the trainer model's. Killed, even with SIGKILL, it leaves no process behind:
+    the replicas and trainer ranks it starts stop when it dies.
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
     quiet_transformers()
@@ -103,7 +106,9 @@ def demo(
             ctx = multiprocessing.get_context("spawn")
             events = ctx.Queue()
             for rank in range(trainer_ranks):
-                proc = ctx.Process(target=run_trainer_rank, args=(rank, args, events), daemon=True)
+                proc = ctx.Process(
+                    target=_trainer_rank, args=(os.getpid(), rank, args, events), daemon=True
+                )
                 proc.start()
                 trainers.append(proc)
             failure = _collect(events, trainers, result, progress, task, console, as_json)
@@ -138,6 +143,15 @@ def demo(
         _print_summary(console, result, failure, root)
     if not result["ok"]:
         raise typer.Exit(code=1)
+
+
+def _trainer_rank(demo_pid: int, rank: int, args: TrainerArgs, events: Any) -> None:
+    """One trainer rank (a spawned process) that dies with the demo, however it ends."""
+    try:
+        exit_with_parent(demo_pid, sig=signal.SIGKILL)
+    except ParentGoneError:
+        return
+    run_trainer_rank(rank, args, events)
 
 
 def _collect(

@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
-from weightsync.server.config import ServeConfig
+from weightsync.server.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_BOOTSTRAP_BODY_BYTES,
+    ServeConfig,
+)
+from weightsync.server.lifetime import (
+    PARENT_PID_ENV,
+    ParentGoneError,
+    exit_with_parent,
+    parent_pid_from_env,
+)
 
 # Exit code for bad command-line input, as click uses for usage errors.
 _USAGE_ERROR = 2
 # What `weightsync serve` serves beyond PROTOCOL.md: the broadcast baseline's routes, so that
 # the benchmarks can compare against it on the same replicas.
 SERVER_EXTENSIONS = ("weightsync.baseline.receiver.extension",)
+API_KEY_ENV = "WEIGHTSYNC_API_KEY"
 
 
 def serve(
@@ -41,7 +53,11 @@ def serve(
         ),
     ] = 0,
     host: Annotated[
-        str, typer.Option(help="Interface of both HTTP servers (loopback unless told).")
+        str,
+        typer.Option(
+            help="Interface the replica listens on: both HTTP servers and the TP group "
+            "(loopback unless told). Mooncake's ports listen on every interface regardless."
+        ),
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Main server port; 0 picks a free one.")] = 30000,
     bootstrap_port: Annotated[
@@ -50,8 +66,18 @@ def serve(
     api_key: Annotated[
         str | None,
         typer.Option(
-            help="Bearer token every POST/PUT route requires (default: $WEIGHTSYNC_API_KEY; "
-            "none: no auth).",
+            help="Bearer token every route but /health and /ready requires. Visible to every "
+            "user in the process list: prefer --api-key-file or $WEIGHTSYNC_API_KEY.",
+            show_default=False,
+        ),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read the API key from this file (stripped; keep it mode 600). Default: "
+            "$WEIGHTSYNC_API_KEY; neither: no auth.",
+            exists=True,
+            dir_okay=False,
             show_default=False,
         ),
     ] = None,
@@ -88,6 +114,24 @@ def serve(
         ),
     ] = "safetensors",
     seed: Annotated[int, typer.Option(help="Seed of --load-format dummy weights.")] = 0,
+    max_body_bytes: Annotated[
+        int, typer.Option(help="Largest request body of the main server; larger: 413.")
+    ] = DEFAULT_MAX_BODY_BYTES,
+    max_bootstrap_body_bytes: Annotated[
+        int,
+        typer.Option(
+            help="Largest request body of the bootstrap server (rank registrations carry "
+            "every parameter's address); larger: 413."
+        ),
+    ] = DEFAULT_MAX_BOOTSTRAP_BODY_BYTES,
+    max_new_tokens_limit: Annotated[
+        int | None,
+        typer.Option(
+            help="Most tokens one /generate may ask for (default: the model's context "
+            "length, max_position_embeddings).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve a reference rollout replica: the main HTTP server, the engine-info bootstrap
     server, and one process per TP rank holding SGLang-layout weights that trainers write
@@ -95,10 +139,12 @@ def serve(
     offloaded while it runs.
 
     Prints `weightsync serve: listening on http://HOST:PORT (bootstrap :BPORT)` once ready;
-    stops cleanly on SIGINT / SIGTERM.
+    stops cleanly on SIGINT / SIGTERM. Started with $WEIGHTSYNC_PARENT_PID (a launcher's
+    pid), it stops as on SIGTERM when that process dies.
     """
     # The environment is read here, at the entry point, and nowhere else.
-    api_key = api_key if api_key is not None else os.environ.get("WEIGHTSYNC_API_KEY") or None
+    _follow_parent(os.environ.pop(PARENT_PID_ENV, None))
+    api_key = _api_key(api_key, api_key_file, os.environ.pop(API_KEY_ENV, None))
     try:
         config = ServeConfig(
             model_path=str(model),
@@ -120,6 +166,9 @@ def serve(
             load_format=load_format,
             seed=seed,
             extensions=SERVER_EXTENSIONS,
+            max_body_bytes=max_body_bytes,
+            max_bootstrap_body_bytes=max_bootstrap_body_bytes,
+            max_new_tokens_limit=max_new_tokens_limit,
         )
     except ValueError as exc:
         typer.echo(f"weightsync serve: {exc}", err=True)
@@ -141,10 +190,66 @@ def serve(
 
     try:
         code = run_replica(config)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         typer.echo(f"weightsync serve: {exc}", err=True)
         raise typer.Exit(1) from exc
     raise typer.Exit(code)
+
+
+def _follow_parent(parent_pid: str | None) -> None:
+    """With a launcher's pid, stop (SIGTERM) when the launcher dies; exit if it already has."""
+    try:
+        pid = parent_pid_from_env(parent_pid)
+        if pid is not None:
+            exit_with_parent(pid)
+    except ValueError as exc:
+        typer.echo(f"weightsync serve: {exc}", err=True)
+        raise typer.Exit(_USAGE_ERROR) from exc
+    except (ParentGoneError, OSError) as exc:
+        typer.echo(f"weightsync serve: {exc}; not starting", err=True)
+        raise typer.Exit(1) from exc
+
+
+def _api_key(option: str | None, key_file: Path | None, env_value: str | None) -> str | None:
+    """The API key from --api-key, --api-key-file or the environment, in that order.
+
+    Raises:
+        typer.Exit: both options given, or a key file that is empty or unreadable (code 2).
+    """
+    if option is not None and key_file is not None:
+        _usage_error("give the API key once: --api-key or --api-key-file, not both")
+    if option is not None:
+        typer.echo(
+            "weightsync serve: warning: --api-key puts the key in the process list, where "
+            "every user of this machine can read it; use --api-key-file or "
+            f"${API_KEY_ENV} instead",
+            err=True,
+        )
+        return option
+    if key_file is not None:
+        try:
+            mode = key_file.stat().st_mode
+            key = key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            _usage_error(f"cannot read the API key from --api-key-file {key_file}: {exc}")
+        if not key:
+            _usage_error(
+                f"--api-key-file {key_file} is empty: write the key into it, or leave the "
+                "option out to serve without auth"
+            )
+        if mode & (stat.S_IRGRP | stat.S_IROTH):
+            typer.echo(
+                f"weightsync serve: warning: --api-key-file {key_file} is readable by other "
+                f"users (mode {stat.S_IMODE(mode):o}); chmod 600 it",
+                err=True,
+            )
+        return key
+    return env_value or None
+
+
+def _usage_error(message: str) -> NoReturn:
+    typer.echo(f"weightsync serve: {message}", err=True)
+    raise typer.Exit(_USAGE_ERROR)
 
 
 def register(app: typer.Typer) -> None:

@@ -18,13 +18,15 @@ class BootstrapClient(AsyncHttpClient):
     """Async client of a replica's engine-info bootstrap server.
 
     Rollout ranks ``PUT`` their transfer-engine info and parallelism config here at start-up;
-    anyone may ``GET`` them per rank. Errors raise `RemoteReplicaError` as in `RolloutClient`
-    (an unknown rank is HTTP 404, a negative rank HTTP 400).
+    trainers ``GET`` them per rank. Errors raise `RemoteReplicaError` as in `RolloutClient`
+    (an unknown rank is HTTP 404, a negative rank HTTP 400, a missing or wrong key HTTP 401).
 
     Args:
         base_url: the bootstrap server, e.g. ``http://127.0.0.1:6789``.
-        api_key: sent as ``Authorization: Bearer <api_key>`` (the ``PUT`` routes of a server
-            started with ``--api-key`` need it).
+        api_key: sent as ``Authorization: Bearer <api_key>`` with every call: a reference
+            server started with an API key requires it on every route but ``/health``, reads
+            included (they reveal parameter addresses). SGLang's bootstrap server checks
+            none.
         timeout_s: default timeout of each call in seconds.
     """
 

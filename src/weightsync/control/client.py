@@ -9,6 +9,7 @@ from weightsync.control.base import AsyncHttpClient
 from weightsync.control.models import (
     AbortRequestRequest,
     BeginWeightUpdateRequest,
+    BeginWeightUpdateResponse,
     CheckerAction,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -19,10 +20,12 @@ from weightsync.control.models import (
     MemoryOccupationRequest,
     PauseGenerationRequest,
     PauseMode,
+    RenewWeightUpdateRequest,
     SamplingParams,
     Selector,
     StatusResponse,
     SuccessResponse,
+    TransferEngineInfoResponse,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
@@ -91,6 +94,15 @@ class RolloutClient(AsyncHttpClient):
             "/remote_instance_transfer_engine_info", rank, timeout_s
         )
 
+    async def get_transfer_engine_reply(
+        self, rank: int, *, timeout_s: float | None = None
+    ) -> TransferEngineInfoResponse:
+        """``GET /remote_instance_transfer_engine_info?rank=N``, the whole reply (with the
+        ``registered_regions`` the reference server adds)."""
+        route = "/remote_instance_transfer_engine_info"
+        response = await self._call("GET", route, params={"rank": rank}, timeout_s=timeout_s)
+        return self._parse(response, TransferEngineInfoResponse, route=route)
+
     async def get_parallelism_config(
         self, rank: int, *, timeout_s: float | None = None
     ) -> ParallelismConfig:
@@ -144,28 +156,76 @@ class RolloutClient(AsyncHttpClient):
         await self._call("POST", "/flush_cache", timeout_s=timeout_s)
 
     async def begin_weight_update(
-        self, selector: Selector = "target", *, timeout_s: float | None = None
-    ) -> SuccessResponse:
+        self,
+        selector: Selector = "target",
+        *,
+        lease_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> BeginWeightUpdateResponse:
         """``POST /begin_weight_update``: open a weight-update session (no generation runs
-        until `end_weight_update`)."""
-        body = BeginWeightUpdateRequest(selector=selector)
-        return await self._success("/begin_weight_update", body, timeout_s)
+        until `end_weight_update`).
 
-    async def end_weight_update(self, *, timeout_s: float | None = None) -> SuccessResponse:
-        """``POST /end_weight_update``: close the session after the bytes arrived."""
-        return await self._success("/end_weight_update", EndWeightUpdateRequest(), timeout_s)
+        Args:
+            selector: which weights the session updates.
+            lease_s: make the session a lease of that many seconds (servers with capability
+                ``weight_update_lease``); the reply's ``session_token`` must then accompany
+                the session's calls, and `renew_weight_update` extend it.
+            timeout_s: this call's timeout.
+        """
+        body = _without_none(BeginWeightUpdateRequest(selector=selector, lease_s=lease_s))
+        route = "/begin_weight_update"
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        reply = self._parse(response, BeginWeightUpdateResponse, route=route)
+        self._check_success(reply, route=route, status_code=response.status_code)
+        return reply
+
+    async def renew_weight_update(
+        self, session_token: str, lease_s: float, *, timeout_s: float | None = None
+    ) -> SuccessResponse:
+        """``POST /renew_weight_update`` (the reference server's): extend the lease of the
+        session `session_token` holds by `lease_s` from now."""
+        body = RenewWeightUpdateRequest(session_token=session_token, lease_s=lease_s)
+        return await self._success("/renew_weight_update", body, timeout_s)
+
+    async def end_weight_update(
+        self,
+        *,
+        session_token: str | None = None,
+        digests: dict[int, dict[str, int]] | None = None,
+        timeout_s: float | None = None,
+    ) -> SuccessResponse:
+        """``POST /end_weight_update``: close the session after the bytes arrived.
+
+        Args:
+            session_token: a leased session's token.
+            digests: per tp rank, ``{param_name: digest}`` of what the trainers wrote
+                (servers with capability ``weight_update_digest`` verify them).
+            timeout_s: this call's timeout.
+
+        Raises:
+            RemoteReplicaError: no session is open, or the digests do not match what arrived
+                (the message names the parameters).
+        """
+        body = _without_none(EndWeightUpdateRequest(session_token=session_token, digests=digests))
+        return await self._success("/end_weight_update", body, timeout_s)
 
     async def update_weight_version(
         self,
         new_version: str,
         abort_all_requests: bool = False,
         *,
+        session_token: str | None = None,
         timeout_s: float | None = None,
     ) -> UpdateWeightVersionResponse:
-        """``POST /update_weight_version``: label the weights the replica now holds."""
+        """``POST /update_weight_version``: label the weights the replica now holds
+        (`session_token`: a leased session's)."""
         route = "/update_weight_version"
-        body = UpdateWeightVersionRequest(
-            new_version=new_version, abort_all_requests=abort_all_requests
+        body = _without_none(
+            UpdateWeightVersionRequest(
+                new_version=new_version,
+                abort_all_requests=abort_all_requests,
+                session_token=session_token,
+            )
         )
         response = await self._call("POST", route, body=body, timeout_s=timeout_s)
         reply = self._parse(response, UpdateWeightVersionResponse, route=route)
@@ -315,3 +375,9 @@ class RolloutClient(AsyncHttpClient):
                 route=route,
                 status_code=status_code,
             )
+
+
+def _without_none(body: Any) -> dict[str, Any]:
+    """`body` as JSON without its unset extension fields, so a server that does not know
+    them (SGLang) sees SGLang's body."""
+    return body.model_dump(mode="json", exclude_none=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 PauseMode = Literal["abort", "retract", "in_place"]
 Selector = Literal["target", "draft", "all"]
@@ -58,20 +58,53 @@ class MemoryOccupationRequest(_Request):
 
 
 class BeginWeightUpdateRequest(_Request):
-    """``POST /begin_weight_update`` (SGLang 0.5.23's default selector: ``all``)."""
+    """``POST /begin_weight_update`` (SGLang 0.5.23's default selector: ``all``).
+
+    ``lease_s`` is the reference server's extension (capability ``weight_update_lease``):
+    the session becomes a lease of that many seconds, held by whoever gets its token.
+    """
 
     selector: Selector = "all"
+    lease_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+
+class BeginWeightUpdateResponse(_Response):
+    """``POST /begin_weight_update``'s reply; a leased session adds its token and lease, and
+    the reference server lists the parameters that changed outside any session."""
+
+    success: bool
+    message: str = ""
+    session_token: str | None = None
+    lease_s: float | None = None
+    changed_outside: list[str] = Field(default_factory=list)
+
+
+class RenewWeightUpdateRequest(_Request):
+    """``POST /renew_weight_update`` (the reference server's): extend a session's lease."""
+
+    session_token: str
+    lease_s: float = Field(gt=0, allow_inf_nan=False)
 
 
 class EndWeightUpdateRequest(_Request):
-    """``POST /end_weight_update`` (an empty object)."""
+    """``POST /end_weight_update`` (an empty object for SGLang).
+
+    The reference server's extensions: ``session_token`` (a leased session's), and
+    ``digests`` (capability ``weight_update_digest``): per tp rank (a decimal string),
+    ``{param_name: digest}`` of what the trainers wrote, verified against what arrived.
+    """
+
+    session_token: str | None = None
+    digests: dict[int, dict[str, int]] | None = None
 
 
 class UpdateWeightVersionRequest(_Request):
-    """``POST /update_weight_version`` (SGLang 0.5.23 aborts every request by default)."""
+    """``POST /update_weight_version`` (SGLang 0.5.23 aborts every request by default);
+    ``session_token`` is a leased session's."""
 
     new_version: str
     abort_all_requests: bool = True
+    session_token: str | None = None
 
 
 class WeightsCheckerRequest(_Request):
@@ -84,17 +117,21 @@ class WeightsCheckerRequest(_Request):
 
 
 class SamplingParams(_Request):
-    """The sampling parameters the reference server honours."""
+    """The sampling parameters the reference server honours.
 
-    max_new_tokens: int = Field(default=16, ge=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    sampling_seed: int | None = None
+    Counts and seeds are JSON integers (not ``1.0``, ``"16"`` or ``true``) and floats are
+    finite; the server also bounds ``max_new_tokens`` by the model's context length.
+    """
+
+    max_new_tokens: int = Field(default=16, ge=1, strict=True)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    sampling_seed: int | None = Field(default=None, ge=0, lt=2**63, strict=True)
 
 
 class GenerateRequest(_Request):
     """``POST /generate`` on the reference server (token ids in, token ids out)."""
 
-    input_ids: list[int] = Field(min_length=1)
+    input_ids: list[StrictInt] = Field(min_length=1)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     rid: str | None = None
 
@@ -212,10 +249,12 @@ class ErrorResponse(_Response):
 
 class TransferEngineInfoResponse(_Response):
     """``GET /remote_instance_transfer_engine_info`` (and the bootstrap's
-    ``/get_transfer_engine_info``): ``[session_id, weights_info]`` of one rank."""
+    ``/get_transfer_engine_info``): ``[session_id, weights_info]`` of one rank; the reference
+    server adds the ``[addr, num_bytes]`` regions the rank registered."""
 
     rank: int
     remote_instance_transfer_engine_info: tuple[str, WeightsInfo]
+    registered_regions: list[tuple[int, int]] | None = None
 
 
 class ParallelismConfigModel(_Response):

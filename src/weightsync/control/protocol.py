@@ -23,6 +23,12 @@ from weightsync.layout.parallelism import ParallelismConfig
 # Capabilities the reference server advertises.
 PARALLELISM_CONFIG = "parallelism_config"  # GET /parallelism_config (Miles)
 GET_WEIGHT_VERSION = "get_weight_version"  # GET /get_weight_version (Miles)
+# Sessions are leases: begin_weight_update takes lease_s and returns a session_token that the
+# session's other calls carry; POST /renew_weight_update extends it; an expired or abandoned
+# session leaves the replica incomplete (refusing generation until a complete update).
+WEIGHT_UPDATE_LEASE = "weight_update_lease"
+# end_weight_update takes the trainers' digests (weightsync.layout.digest) and verifies them.
+WEIGHT_UPDATE_DIGEST = "weight_update_digest"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

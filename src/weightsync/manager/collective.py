@@ -12,13 +12,17 @@ One sync, as the ranks see it (group rank 0 is the driver):
 5. driver → every rank, broadcast: `SyncDone` with the report, or `SyncFailed` with the
    error every rank then raises.
 
-Messages travel as pickled objects over the trainer's own process group (gloo or NCCL's
-object collectives); each is a frozen dataclass, checked by type on arrival.
+Messages travel as pickled objects over a gloo group of the trainer's ranks that weightsync
+creates for itself (whatever backend the trainer's group has), with its own timeout: a rank
+that dies or stops makes every other rank raise `CollectiveError` within that timeout
+instead of blocking forever. Each message is a frozen dataclass, checked by type on arrival.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from weightsync.errors import WeightSyncError
@@ -27,6 +31,12 @@ from weightsync.plan import SourcePlan
 from weightsync.sender import PushStats
 
 MessageT = TypeVar("MessageT")
+T = TypeVar("T")
+
+
+class CollectiveError(WeightSyncError):
+    """A collective call over the trainer group failed or timed out: a trainer rank is dead,
+    stopped, or out of step. Every rank that took part raises it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,16 +95,40 @@ class SyncFailed:
 class Collective:
     """The driver↔rank message calls over the trainer group (a single process needs none).
 
+    Building it is collective over the ranks of `group` (every one of them, and no other
+    rank, must build one at the same time): it creates the gloo group the messages travel on.
+
     Args:
-        group: the trainer's torch.distributed process group, or None for one process.
+        group: the trainer's torch.distributed process group (None: the default group, when
+            torch.distributed is initialized; else one process).
         rank: this process's rank in `group`.
         world_size: the group's size.
+        timeout_s: how long one collective call may wait for the other ranks.
     """
 
-    def __init__(self, group: Any, *, rank: int, world_size: int) -> None:
-        self._group = group
+    def __init__(
+        self, group: Any, *, rank: int, world_size: int, timeout_s: float = 1800.0
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._group: Any = None
+        if world_size > 1:
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            # Only the trainer's ranks take part; other ranks of the world need not call it.
+            self._group = dist.new_group(
+                ranks,
+                backend="gloo",
+                timeout=timedelta(seconds=timeout_s),
+                use_local_synchronization=True,
+            )
+
+    @property
+    def group(self) -> Any:
+        """The gloo group the messages travel on (None for one process)."""
+        return self._group
 
     @property
     def is_driver(self) -> bool:
@@ -112,7 +146,9 @@ class Collective:
         import torch.distributed as dist
 
         box = [message]
-        dist.broadcast_object_list(box, src=self._src(), group=self._group)
+        self._guard(
+            "broadcast", lambda: dist.broadcast_object_list(box, src=self._src(), group=self._group)
+        )
         return _checked(box[0], expected)
 
     def scatter(self, messages: list[Any] | None, expected: type[MessageT]) -> MessageT:
@@ -123,8 +159,11 @@ class Collective:
         import torch.distributed as dist
 
         box: list[Any] = [None]
-        dist.scatter_object_list(
-            box, messages if self.is_driver else None, src=self._src(), group=self._group
+        self._guard(
+            "scatter of the plan",
+            lambda: dist.scatter_object_list(
+                box, messages if self.is_driver else None, src=self._src(), group=self._group
+            ),
         )
         return _checked(box[0], (expected,))
 
@@ -135,10 +174,38 @@ class Collective:
         import torch.distributed as dist
 
         gathered: list[Any] | None = [None] * self.world_size if self.is_driver else None
-        dist.gather_object(message, gathered, dst=self._src(), group=self._group)
+        self._guard(
+            "gather of the push outcomes",
+            lambda: dist.gather_object(message, gathered, dst=self._src(), group=self._group),
+        )
         if gathered is None:
             return None
         return [_checked(m, (expected,)) for m in gathered]
+
+    def all_gather(self, message: Any) -> list[Any]:
+        """Every rank's `message`, by rank, on every rank."""
+        if self.world_size == 1:
+            return [message]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        self._guard(
+            "all-gather of the holdings",
+            lambda: dist.all_gather_object(gathered, message, group=self._group),
+        )
+        return gathered
+
+    def _guard(self, what: str, call: Callable[[], T]) -> T:
+        """Run one collective call; its failure (a timeout, a peer gone) as `CollectiveError`."""
+        try:
+            return call()
+        except RuntimeError as exc:
+            raise CollectiveError(
+                f"trainer rank {self.rank}: the {what} over the trainer group failed within "
+                f"its {self.timeout_s:g} s timeout ({type(exc).__name__}: {str(exc)[:300]}); "
+                "a trainer rank is dead, stopped or not calling sync(); every rank that took "
+                "part raises this (SyncConfig.collective_timeout_s sets the timeout)"
+            ) from exc
 
     def _src(self) -> int:
         import torch.distributed as dist
@@ -159,6 +226,7 @@ def _checked(message: Any, expected: tuple[type, ...]) -> Any:
 
 __all__ = [
     "Collective",
+    "CollectiveError",
     "NoPush",
     "PushOrder",
     "RankOutcome",

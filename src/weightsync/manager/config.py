@@ -26,8 +26,16 @@ class ControlConfig:
         pause_mode: how in-flight requests are paused (``abort``, ``retract``, ``in_place``).
         selector: which weights a session updates (``target``, ``draft``, ``all``).
         release_kv_cache: release the KV cache during the update and resume it after.
-        http_timeout_s: per-request timeout of control-plane calls.
+        http_timeout_s: per-request timeout of control-plane calls that fetch metadata.
         check_timeout_s: timeout of the weights checker's calls (they touch every parameter).
+        lifecycle_timeout_s: deadline of each lifecycle call (pause, release, begin, version,
+            end, resume, flush, continue): a replica that misses it before any write is
+            dropped from the sync (and resumed), so one sick replica cannot hold the healthy
+            ones paused.
+        lease_s: the lease of a weight-update session on replicas that take leases (the
+            reference server): renewed every third of it while the sync runs, so a trainer
+            that dies mid-sync leaves its session to expire after at most this long, and the
+            replica then marks its weights incomplete by itself.
 
     Raises:
         ValueError: an unknown pause mode or selector, or a timeout that is not positive.
@@ -41,6 +49,8 @@ class ControlConfig:
     release_kv_cache: bool = True
     http_timeout_s: float = 60.0
     check_timeout_s: float = 600.0
+    lifecycle_timeout_s: float = 10.0
+    lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.pause_mode not in PAUSE_MODES:
@@ -49,7 +59,7 @@ class ControlConfig:
             )
         if self.selector not in SELECTORS:
             raise ValueError(f"ControlConfig.selector={self.selector!r}: choose one of {SELECTORS}")
-        for name in ("http_timeout_s", "check_timeout_s"):
+        for name in ("http_timeout_s", "check_timeout_s", "lifecycle_timeout_s", "lease_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"ControlConfig.{name} must be positive, got {value!r}")
@@ -66,6 +76,10 @@ class SyncConfig:
         control: how the driver rank runs the update lifecycle (`ControlConfig`).
         transport: which transport every rank writes with, and how: a `MooncakeConfig`
             (RDMA / TCP) or a `CudaIpcConfig` (GPUs of one host).
+        collective_timeout_s: how long a message between the trainer ranks of one sync may
+            wait (the followers wait for the driver through pause, metadata and the check,
+            the driver for every rank's push): past it every waiting rank raises
+            `CollectiveError` rather than blocking on a dead or stopped rank.
 
     Raises:
         ValueError: a part of the wrong type.
@@ -74,8 +88,12 @@ class SyncConfig:
     sender: SenderConfig = field(default_factory=SenderConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     transport: TransportConfig = field(default_factory=MooncakeConfig)
+    collective_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
+        value = self.collective_timeout_s
+        if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+            raise ValueError(f"SyncConfig.collective_timeout_s must be positive, got {value!r}")
         for name, kind in (("sender", SenderConfig), ("control", ControlConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(

@@ -11,13 +11,22 @@ from typing import Any
 from weightsync.control import RolloutClient
 from weightsync.control.protocol import (
     PARALLELISM_CONFIG,
+    WEIGHT_UPDATE_DIGEST,
+    WEIGHT_UPDATE_LEASE,
     ReplicaProtocol,
     derive_parallelism,
     num_ranks,
     refusal,
     served_dtype,
 )
-from weightsync.errors import LayoutMismatchError, RemoteReplicaError, WeightSyncError
+from weightsync.errors import (
+    LayoutMismatchError,
+    PartialPushError,
+    PartialSyncError,
+    RemoteReplicaError,
+    WeightsRefusedError,
+    WeightSyncError,
+)
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.manager.config import ControlConfig
 from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
@@ -35,23 +44,38 @@ class SyncManager:
 
     The update order is PROTOCOL.md's (the Miles lifecycle):
 
-    1. ``pause_generation`` and ``release_memory_occupation(["kv_cache"])`` on every replica;
-    2. ``begin_weight_update`` on every replica (a replica that fails here stops the update:
-       the sessions that began are ended and every replica resumes serving its old weights);
-    3. first update, or after `add_replica` / `remove_replica`: fetch every rank's transfer
+    1. first contact (first update, a new replica, or after a failure): ``/server_info``
+       and ``/model_info`` of the replica, to learn what it serves, refuse settings that
+       one-sided writes cannot serve, and learn the weight version it serves;
+    2. ``pause_generation`` and ``release_memory_occupation(["kv_cache"])`` on every replica;
+    3. ``begin_weight_update`` on every replica; where the replica takes leases, the
+       session is a lease of ``config.lease_s`` renewed while the sync runs;
+    4. first update, or after `add_replica` / `remove_replica`: fetch every rank's transfer
        engine info and parallelism config (cached until membership changes); with
        ``check_weight_update_equal``, snapshot and corrupt the weights of every replica;
-    4. ``push(targets, epoch)``: the caller's trainer ranks write their share of the plan; a
-       `LayoutMismatchError` from it means the plan was refused before any write, and the
-       replicas resume serving their previous weights;
-    5. ``update_weight_version`` and ``end_weight_update`` on every replica (and, after the
-       first update with the check on, ``weights_checker compare``);
-    6. ``resume_memory_occupation``, ``flush_cache``, ``continue_generation``.
+    5. ``push(targets, epoch)``: the caller's trainer ranks write their share of the plan; a
+       `LayoutMismatchError` or `WeightsRefusedError` from it means the plan or the weights
+       were refused before any write, and the replicas resume serving their previous weights;
+    6. ``update_weight_version`` and ``end_weight_update`` on every replica, with the
+       digests of what the push wrote where the replica verifies them (and, after the first
+       update with the check on, ``weights_checker compare``);
+    7. ``resume_memory_occupation``, ``flush_cache``, ``continue_generation``.
 
-    Every per-replica call is issued to all replicas at once. An opened session is always
-    ended. When the push or anything after it fails, the replicas stay paused rather than
+    Every per-replica call is issued to all replicas at once, each with a deadline
+    (``config.lifecycle_timeout_s``). A replica that fails before anything was written (it
+    cannot be reached, refuses, times out, or serves with a setting writes cannot serve) is
+    dropped from this update: it is put back to serving its previous weights and reported
+    in `SyncReport.dropped`, and the others are updated. An opened session is always ended.
+    When the push or anything after it fails, the written replicas stay paused rather than
     serve half-written weights, are marked dirty until a later update succeeds, and the error
-    names the replica (and, for transfer failures, the parameter).
+    names the replica (and, for transfer failures, the parameter); replicas that take leases
+    also mark their weights incomplete themselves. A failure confined to some replicas (a
+    write to one failed, or its verification) leaves only those paused: the others are
+    finished, verified and resumed, and `PartialSyncError` reports both.
+
+    Versions are monotonic across managers and restarts: the default next version is one
+    more than the largest numeric version any replica serves, and a version a replica
+    already serves is refused, so one label never names two weight sets.
 
     One `SyncManager` lives on the process that drives the control plane (a driver, or trainer
     rank 0); it is not thread-safe, and its coroutines must run on one event loop.
@@ -62,15 +86,24 @@ class SyncManager:
         self._config = config or ControlConfig()
         self._replicas: list[str] = []
         self._clients: dict[str, RolloutClient] = {}
-        self._targets: tuple[TargetRank, ...] | None = None
+        self._ranks: dict[str, tuple[TargetRank, ...]] = {}  # metadata, by replica
         self._epoch = 0
+        self._epochs: dict[tuple[int, frozenset[str]], int] = {}
         self._version = 0
         self._checked = False
         self._armed: set[str] = set()
         self._dirty: set[str] = set()
+        self._unhealthy: dict[str, str] = {}
         self._protocols: dict[str, ReplicaProtocol] = {}
-        # Replicas whose KV cache this update released (and so must resume).
+        self._server_infos: dict[str, dict[str, Any]] = {}
+        self._served: dict[str, str | None] = {}  # weight version each replica serves
+        self._warned: set[str] = set()
+        # Per update: replicas whose KV cache it released (and so must resume), whose
+        # generation it paused, and the session tokens of the sessions it began.
         self._released: set[str] = set()
+        self._paused: set[str] = set()
+        self._sessions: dict[str, str | None] = {}
+        self._membership = 0  # counts membership changes
         for url in replicas:
             self._add(url)
 
@@ -91,13 +124,18 @@ class SyncManager:
         return frozenset(self._dirty)
 
     @property
+    def unhealthy_replicas(self) -> dict[str, str]:
+        """Replicas the last update dropped before any write, with why (by URL)."""
+        return dict(self._unhealthy)
+
+    @property
     def protocols(self) -> dict[str, ReplicaProtocol]:
-        """What each replica serves, as learned at the last metadata fetch (by URL)."""
+        """What each replica serves, as learned at first contact (by URL)."""
         return dict(self._protocols)
 
     @property
     def metadata_epoch(self) -> int:
-        """Counts metadata refreshes; changes whenever the targets of a push change."""
+        """Identifies the targets of the last push; changes whenever they change."""
         return self._epoch
 
     async def add_replica(self, url: str) -> None:
@@ -116,7 +154,7 @@ class SyncManager:
         self._clients[url] = RolloutClient(
             url, api_key=self._config.api_key, timeout_s=self._config.http_timeout_s
         )
-        self._targets = None
+        self._membership_changed()
 
     async def remove_replica(self, url: str) -> None:
         """Stop managing a replica (scale down); it is no longer contacted.
@@ -129,11 +167,21 @@ class SyncManager:
         if client is None:
             raise ValueError(f"replica {url} is not managed; managed: {self._replicas}")
         self._replicas.remove(url)
-        self._dirty.discard(url)
-        self._armed.discard(url)
-        self._protocols.pop(url, None)
-        self._targets = None
+        for state in (self._dirty, self._armed):
+            state.discard(url)
+        for table in (
+            self._protocols,
+            self._server_infos,
+            self._served,
+            self._unhealthy,
+            self._ranks,
+        ):
+            table.pop(url, None)
+        self._membership_changed()
         await client.aclose()
+
+    def _membership_changed(self) -> None:
+        self._membership += 1
 
     async def aclose(self) -> None:
         """Close every replica's HTTP client."""
@@ -147,109 +195,151 @@ class SyncManager:
 
     async def targets(self) -> tuple[TargetRank, ...]:
         """Every rollout rank of every replica, fetched once and cached until membership
-        changes."""
-        if self._targets is None:
-            self._targets = await self._fetch_targets()
-            self._epoch += 1
-        return self._targets
+        changes.
+
+        Raises:
+            RemoteReplicaError: a replica could not be reached or published something
+                invalid (named).
+        """
+        replicas = tuple(self._replicas)
+        dropped: dict[str, str] = {}
+        await self._first_contact(replicas, dropped)
+        if dropped:
+            self._raise_all_dropped(dropped, stage="first contact")
+        missing = tuple(u for u in replicas if u not in self._ranks)
+        fetched = await self._gather_targets(missing)
+        failures = _failures(fetched)
+        if failures:
+            raise failures[0][1]
+        self._ranks.update(fetched)
+        return tuple(t for url in replicas for t in self._ranks[url])
 
     async def update_weights(self, push: PushFn, *, version: str | None = None) -> SyncReport:
         """Run one update through every replica; see the class docstring for the order.
 
         Args:
             push: writes the weights into the targets it is given and returns what it wrote.
-            version: the new weight version; default: one more than the last.
+            version: the new weight version; default: one more than the largest numeric
+                version a replica serves (or than this manager's last).
 
         Returns:
-            What the update did, with seconds per phase.
+            What the update did, with seconds per phase, the replicas that verified it and
+            those it dropped.
 
         Raises:
-            ValueError: no replica is managed.
-            RemoteReplicaError: a replica refused a control call (named in the error).
-            WeightSyncError: the push or the bit-exact check failed.
+            ValueError: no replica is managed, or `version` is one a replica serves.
+            RemoteReplicaError: every replica failed before any write (the first failure is
+                named; all of them serve their previous weights), or a call failed after
+                writing began.
+            PartialSyncError: writing to some replicas, or verifying what they received,
+                failed: those stay paused and dirty, the others were updated and serve the
+                new version (``error.report`` says which).
+            WeightSyncError: the push failed for every replica, or the bit-exact check
+                failed.
         """
         if not self._replicas:
             raise ValueError("no rollout replica to update: add one with add_replica(url)")
-        replicas = tuple(self._replicas)
-        new_version = version if version is not None else str(self._version + 1)
-        cfg = self._config
         t0 = time.perf_counter()
-
-        await self._on_all(replicas, "pause_generation", mode=cfg.pause_mode)
-        self._released = set()
-        if cfg.release_kv_cache:
-            results = await self._call_all(replicas, "release_memory_occupation", tags=["kv_cache"])
-            self._released = {u for u, r in results.items() if not isinstance(r, BaseException)}
-            failures = _failures(results)
-            if failures:
-                # SGLang cannot resume what it did not release (it exits): only these resume.
-                await self._resume(replicas, best_effort=True)
-                url, exc = failures[0]
-                raise RemoteReplicaError(
-                    f"release_memory_occupation failed on replica {url}: {exc}; the update was "
-                    "not started and every replica serves its previous weights",
-                    replica=url,
-                    route="release_memory_occupation",
-                ) from exc
-        await self._begin(replicas)
-        t_paused = time.perf_counter()
-
-        refreshed = self._targets is None
+        dropped: dict[str, str] = {}
+        self._released, self._paused, self._sessions = set(), set(), {}
+        live = await self._first_contact(tuple(self._replicas), dropped)
+        new_version = self._next_version(version, live)
+        live = await self._pause(live, dropped)
+        live = await self._begin(live, dropped)
+        renewal = asyncio.create_task(self._renew_leases(live))
         try:
-            targets = await self.targets()
+            return await self._update(push, live, new_version, dropped, t0)
+        finally:
+            renewal.cancel()
+            await asyncio.gather(renewal, return_exceptions=True)
+            self._unhealthy = dict(dropped)
+            if dropped:
+                logger.error(
+                    "replicas dropped from this update (they serve their previous weights): %s",
+                    "; ".join(f"{u}: {why}" for u, why in dropped.items()),
+                )
+
+    async def _update(
+        self,
+        push: PushFn,
+        live: tuple[str, ...],
+        new_version: str,
+        dropped: dict[str, str],
+        t0: float,
+    ) -> SyncReport:
+        """Steps 4-7 on the replicas that began a session."""
+        cfg = self._config
+        t_paused = time.perf_counter()
+        refreshed = any(u not in self._ranks for u in live)
+        try:
+            targets = await self._live_targets(live, dropped)
+            live = tuple(u for u in live if u not in dropped)
             if cfg.check_weight_update_equal and not self._checked:
                 # Snapshot and corrupt once; until a sync restores them, the replicas hold
                 # random weights and a retry must not snapshot those.
-                unarmed = [u for u in replicas if u not in self._armed]
+                unarmed = [u for u in live if u not in self._armed]
                 if unarmed:
                     await self._on_all(unarmed, "weights_checker", action="snapshot")
                     self._dirty.update(unarmed)
                     await self._on_all(unarmed, "weights_checker", action="reset_tensors")
                     self._armed.update(unarmed)
         except BaseException:
-            await self._abandon(replicas, resume=not (self._dirty & set(replicas)))
+            await self._abandon(live, resume=not (self._dirty & set(live)))
             raise
         t_metadata = time.perf_counter()
 
+        failed: dict[str, str] = {}
         try:
             summary = await push(targets, self._epoch)
-        except LayoutMismatchError:
-            # Raised while the plan is built, before any byte is written: replicas whose
-            # weights are intact may serve them again.
-            await self._abandon(replicas, resume=not (self._dirty & set(replicas)))
+        except (LayoutMismatchError, WeightsRefusedError):
+            # Raised while the plan is built or the weights checked, before any byte is
+            # written: replicas whose weights are intact may serve them again.
+            await self._abandon(live, resume=not (self._dirty & set(live)))
             raise
+        except PartialPushError as exc:
+            # Writes to some replicas failed; every write to the others landed (their
+            # digests say so at the end): finish those, keep the failed ones paused.
+            for target in targets:
+                if target.session_id in exc.failed:
+                    failed.setdefault(target.replica, exc.failed[target.session_id])
+            if set(failed) >= set(live) or not isinstance(exc.result, PushSummary):
+                self._dirty.update(live)
+                await self._abandon(live, resume=False)
+                exc.add_note(_stay_paused(live))
+                raise
+            self._dirty.update(failed)
+            await self._abandon(tuple(failed), resume=False)
+            live = tuple(u for u in live if u not in failed)
+            summary = exc.result
         except BaseException as exc:
-            self._dirty.update(replicas)
-            await self._abandon(replicas, resume=False)
-            exc.add_note(_stay_paused(replicas))
+            self._dirty.update(live)
+            await self._abandon(live, resume=False)
+            exc.add_note(_stay_paused(live))
             raise
         t_pushed = time.perf_counter()
 
+        verified, unfinished = await self._finish(live, new_version, summary, targets)
+        failed.update(unfinished)
+        live = tuple(u for u in live if u not in unfinished)
         bit_exact: bool | None = None
-        try:
-            await self._on_all(
-                replicas, "update_weight_version", new_version=new_version, abort_all_requests=False
-            )
-        except BaseException as exc:
-            await self._abandon(replicas, resume=False)
-            exc.add_note(_stay_paused(replicas))
-            raise
-        await self._on_all(replicas, "end_weight_update")
-        armed = [u for u in replicas if u in self._armed]
+        armed = [u for u in live if u in self._armed]
         if armed and not self._checked:
             await self._compare(armed)
             bit_exact = True
             self._checked = True
             self._armed.clear()
-        self._dirty.difference_update(replicas)
-        self._version = int(new_version) if new_version.isdigit() else self._version + 1
+        self._dirty.difference_update(live)
+        for url in live:
+            self._served[url] = new_version
+        if new_version.isdigit():
+            self._version = max(self._version, int(new_version))
         t_final = time.perf_counter()
 
-        await self._resume(replicas)
+        await self._resume(live)
         t_end = time.perf_counter()
         report = SyncReport(
             version=new_version,
-            replicas=replicas,
+            replicas=live,
             phases=PhaseTimes(
                 pause=t_paused - t0,
                 metadata=t_metadata - t_paused,
@@ -260,11 +350,25 @@ class SyncManager:
             push=summary,
             metadata_refreshed=refreshed,
             bit_exact=bit_exact,
+            verified=verified,
+            dropped=dict(dropped),
         )
+        if failed:
+            message = "; ".join(f"{url}: {why}" for url, why in failed.items())
+            error = PartialSyncError(
+                f"weight version {new_version} failed on {len(failed)} replica(s) after "
+                f"writing began ({message})",
+                report=report,
+                failed=failed,
+            )
+            error.add_note(_stay_paused(tuple(failed)))
+            error.add_note(f"replicas {', '.join(live)} were updated and serve it")
+            raise error
         logger.info(
-            "weight version %s on %d replica(s): %.3f GB in %.3f s (push %.3f s, %.2f GB/s)",
+            "weight version %s on %d replica(s)%s: %.3f GB in %.3f s (push %.3f s, %.2f GB/s)",
             new_version,
-            len(replicas),
+            len(live),
+            f" ({len(verified)} verified)" if verified else "",
             summary.bytes_written / 1e9,
             report.seconds,
             report.phases.push,
@@ -272,31 +376,245 @@ class SyncManager:
         )
         return report
 
-    async def _fetch_targets(self) -> tuple[TargetRank, ...]:
-        """Every rank of every replica, as it published itself; each replica's server kind
-        decides where its parallelism comes from (see `weightsync.control.protocol`).
-
-        Raises:
-            RemoteReplicaError: a replica cannot be reached, publishes something invalid, or
-                runs with a setting that one-sided writes cannot serve (named, with the flag
-                to change).
-        """
-        replicas = tuple(self._replicas)
-        infos = await self._on_all(replicas, "get_server_info")
-        for url in replicas:
-            reason = refusal(infos[url])
-            if reason is not None:
-                raise RemoteReplicaError(
-                    f"replica {url} cannot take point-to-point updates: {reason}",
-                    replica=url,
-                    route="/server_info",
+    def _next_version(self, version: str | None, live: Sequence[str]) -> str:
+        """The label of the update: `version`, unless a replica serves it already, or one
+        more than the largest numeric version served (or labelled by this manager)."""
+        served = {url: self._served.get(url) for url in live}
+        if version is not None:
+            holders = [url for url, v in served.items() if v == version]
+            if holders:
+                raise ValueError(
+                    f"weight version {version!r} already names the weights replica "
+                    f"{holders[0]} serves: one label must never name two weight sets; pass "
+                    "a new version, or version=None for the next number"
                 )
-        per_replica = await asyncio.gather(
-            *(self._replica_targets(url, infos[url]) for url in replicas)
-        )
-        return tuple(target for targets in per_replica for target in targets)
+            return version
+        numbers = [int(v) for v in served.values() if v is not None and v.isdigit()]
+        return str(max([self._version, *numbers]) + 1)
 
-    async def _replica_targets(self, url: str, server_info: dict[str, Any]) -> list[TargetRank]:
+    async def _first_contact(
+        self, replicas: Sequence[str], dropped: dict[str, str]
+    ) -> tuple[str, ...]:
+        """Learn what each replica not yet known serves (``/server_info``, ``/model_info``);
+        returns the replicas that may take the update (the others are in `dropped`)."""
+        unknown = [u for u in replicas if u not in self._server_infos or u in self._dirty]
+        unknown += [u for u in replicas if u not in unknown and u in self._unhealthy]
+        if unknown:
+            timeout = self._config.lifecycle_timeout_s
+            infos, models = await asyncio.gather(
+                self._call_all(unknown, "get_server_info", timeout_s=timeout),
+                self._call_all(unknown, "get_model_info", timeout_s=timeout),
+            )
+            for url in unknown:
+                info, model = infos[url], models[url]
+                failure = next((r for r in (info, model) if isinstance(r, BaseException)), None)
+                if failure is not None:
+                    dropped[url] = f"not reachable: {failure}"
+                    continue
+                reason = refusal(info)
+                if reason is not None:
+                    dropped[url] = f"cannot take point-to-point updates: {reason}"
+                    continue
+                protocol = ReplicaProtocol.from_server_info(info)
+                # New, or failed last time (it may have restarted): fetch its ranks again.
+                self._ranks.pop(url, None)
+                self._server_infos[url] = info
+                self._protocols[url] = protocol
+                version = model.get("weight_version")
+                self._served[url] = str(version) if version is not None else None
+                self._warn_unenforced(url, protocol)
+        live = tuple(u for u in replicas if u not in dropped)
+        if not live:
+            self._raise_all_dropped(dropped, stage="first contact")
+        return live
+
+    def _warn_unenforced(self, url: str, protocol: ReplicaProtocol) -> None:
+        """Say once per replica which guarantees this replica cannot give."""
+        missing = [c for c in (WEIGHT_UPDATE_LEASE, WEIGHT_UPDATE_DIGEST) if not protocol.serves(c)]
+        if not missing or url in self._warned:
+            return
+        self._warned.add(url)
+        logger.warning(
+            "replica %s (%s) does not take %s: its sessions are not fenced (a trainer that "
+            "dies mid-sync leaves it paused with a session open until a later update ends "
+            "it, and another client may end or resume it) and it cannot verify what arrived "
+            "(a sync it reports done is not checked against the trainers' digests); this "
+            "manager keeps those rules on its side: it never resumes a replica it wrote to "
+            "part-way, and labels are monotonic",
+            url,
+            protocol.describe(),
+            " or ".join(missing),
+        )
+
+    async def _pause(self, replicas: tuple[str, ...], dropped: dict[str, str]) -> tuple[str, ...]:
+        """Pause generation and release the KV cache; drop (and resume) those that fail."""
+        cfg = self._config
+        timeout = cfg.lifecycle_timeout_s
+        results = await self._call_all(
+            replicas, "pause_generation", mode=cfg.pause_mode, timeout_s=timeout
+        )
+        # A pause that timed out may still take effect: resume those too.
+        self._paused = set(replicas)
+        live = await self._drop_failed(replicas, results, dropped, "pause_generation")
+        if cfg.release_kv_cache and live:
+            results = await self._call_all(
+                live, "release_memory_occupation", tags=["kv_cache"], timeout_s=timeout
+            )
+            # SGLang cannot resume what it did not release (it exits): only these resume.
+            self._released = {u for u, r in results.items() if not isinstance(r, BaseException)}
+            live = await self._drop_failed(live, results, dropped, "release_memory_occupation")
+        if not live:
+            self._raise_all_dropped(dropped, stage="pause")
+        return live
+
+    async def _begin(self, replicas: tuple[str, ...], dropped: dict[str, str]) -> tuple[str, ...]:
+        """Begin a session on every replica (a lease where it takes one); drop the others."""
+        cfg = self._config
+
+        async def begin(url: str) -> str | None:
+            leased = self._protocols[url].serves(WEIGHT_UPDATE_LEASE)
+            reply = await self._clients[url].begin_weight_update(
+                cfg.selector,
+                lease_s=cfg.lease_s if leased else None,
+                timeout_s=cfg.lifecycle_timeout_s,
+            )
+            if reply.changed_outside:
+                shown = ", ".join(reply.changed_outside[:8])
+                logger.error(
+                    "replica %s: %d parameter(s) changed outside a weight-update session since "
+                    "its last update (bytes written into it without a session; it served them "
+                    "meanwhile): %s; this update overwrites them",
+                    url,
+                    len(reply.changed_outside),
+                    shown,
+                )
+            return reply.session_token
+
+        results = await asyncio.gather(*(begin(u) for u in replicas), return_exceptions=True)
+        by_url = dict(zip(replicas, results, strict=True))
+        self._sessions = {u: r for u, r in by_url.items() if not isinstance(r, BaseException)}
+        live = await self._drop_failed(replicas, by_url, dropped, "begin_weight_update")
+        if not live:
+            self._raise_all_dropped(dropped, stage="begin_weight_update")
+        return live
+
+    async def _live_targets(
+        self, live: tuple[str, ...], dropped: dict[str, str]
+    ) -> tuple[TargetRank, ...]:
+        """The targets of the replicas still in the update (metadata fetched where not
+        cached; a replica whose fetch fails is dropped); sets the epoch of the push."""
+        missing = tuple(u for u in live if u not in self._ranks)
+        fetched = await self._gather_targets(missing)
+        self._ranks.update({u: r for u, r in fetched.items() if not isinstance(r, BaseException)})
+        live = await self._drop_failed(live, fetched, dropped, "metadata")
+        if not live:
+            self._raise_all_dropped(dropped, stage="metadata")
+        key = (self._membership, frozenset(live))
+        self._epoch = self._epochs.setdefault(key, len(self._epochs) + 1)
+        return tuple(t for u in live for t in self._ranks[u])
+
+    async def _gather_targets(self, replicas: tuple[str, ...]) -> dict[str, Any]:
+        """Every replica's ranks (a tuple), or the exception its fetch raised (by URL)."""
+        results = await asyncio.gather(
+            *(self._replica_targets(url, self._server_infos[url]) for url in replicas),
+            return_exceptions=True,
+        )
+        return dict(zip(replicas, results, strict=True))
+
+    async def _drop_failed(
+        self,
+        replicas: tuple[str, ...],
+        results: dict[str, Any],
+        dropped: dict[str, str],
+        route: str,
+    ) -> tuple[str, ...]:
+        """Drop the replicas whose result is an exception, putting each back to serving its
+        previous weights; returns the others."""
+        failed = [u for u in replicas if isinstance(results.get(u), BaseException)]
+        for url in failed:
+            exc = results[url]
+            dropped[url] = f"{route} failed: {exc}"
+            logger.error("replica %s dropped from this update: %s failed: %s", url, route, exc)
+        if failed:
+            # Nothing was written to them: end what this update began and serve again.
+            await self._abandon(failed, resume=True)
+        return tuple(u for u in replicas if u not in failed)
+
+    def _raise_all_dropped(self, dropped: dict[str, str], *, stage: str) -> None:
+        self._unhealthy = dict(dropped)
+        url, why = next(iter(dropped.items()))
+        others = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        raise RemoteReplicaError(
+            f"no replica could take the update: replica {url}{others} {why}; nothing was "
+            "written and every replica serves its previous weights",
+            replica=url,
+            route=stage,
+        )
+
+    async def _renew_leases(self, replicas: tuple[str, ...]) -> None:
+        """Renew the sessions' leases every third of the lease until cancelled; a renewal
+        that fails is logged (the session's end then reports what happened)."""
+        lease = self._config.lease_s
+        while True:
+            await asyncio.sleep(lease / 3)
+            held = {u: t for u, t in self._sessions.items() if t is not None and u in replicas}
+            results = await asyncio.gather(
+                *(
+                    self._clients[u].renew_weight_update(
+                        t, lease, timeout_s=self._config.lifecycle_timeout_s
+                    )
+                    for u, t in held.items()
+                ),
+                return_exceptions=True,
+            )
+            for url, result in zip(held, results, strict=True):
+                if isinstance(result, BaseException):
+                    logger.error("renewing the session lease on %s failed: %s", url, result)
+
+    async def _finish(
+        self,
+        replicas: tuple[str, ...],
+        new_version: str,
+        summary: PushSummary,
+        targets: Sequence[TargetRank],
+    ) -> tuple[tuple[str, ...], dict[str, str]]:
+        """Label the new weights and end every session (with the digests where the replica
+        verifies them).
+
+        Returns:
+            The replicas that verified the digests, and ``{url: why}`` of those that refused
+            the label or the end (their verification failed): they stay paused and dirty.
+        """
+        timeout = self._config.lifecycle_timeout_s
+        digests = _digests_by_replica(summary, targets)
+
+        async def finish(url: str) -> bool:
+            client, token = self._clients[url], self._sessions.get(url)
+            await client.update_weight_version(
+                new_version, abort_all_requests=False, session_token=token, timeout_s=timeout
+            )
+            verify = self._protocols[url].serves(WEIGHT_UPDATE_DIGEST) and url in digests
+            await client.end_weight_update(
+                session_token=token,
+                digests=digests[url] if verify else None,
+                timeout_s=timeout,
+            )
+            self._sessions.pop(url, None)
+            return verify
+
+        outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
+        results = dict(zip(replicas, outcomes, strict=True))
+        unfinished = {u: str(r) for u, r in results.items() if isinstance(r, BaseException)}
+        if unfinished:
+            self._dirty.update(unfinished)
+            for url in unfinished:
+                self._served.pop(url, None)
+            await self._abandon(tuple(unfinished), resume=False)
+        return tuple(u for u, ok in results.items() if ok is True), unfinished
+
+    async def _replica_targets(
+        self, url: str, server_info: dict[str, Any]
+    ) -> tuple[TargetRank, ...]:
         client = self._clients[url]
         protocol = ReplicaProtocol.from_server_info(server_info)
         try:
@@ -305,22 +623,27 @@ class SyncManager:
             raise RemoteReplicaError(
                 f"replica {url}: {exc}", replica=url, route="/server_info"
             ) from exc
-        engine_infos = asyncio.gather(*(client.get_transfer_engine_info(r) for r in ranks))
+        engine_infos = asyncio.gather(*(client.get_transfer_engine_reply(r) for r in ranks))
         parallelism = self._parallelism_of(client, protocol, server_info, ranks)
         infos, configs = await asyncio.gather(engine_infos, parallelism)
         self._protocols[url] = protocol
         dtype = served_dtype(server_info)
-        return [
+        return tuple(
             TargetRank(
                 replica=url,
                 rank=rank,
-                session_id=session_id,
+                session_id=info.remote_instance_transfer_engine_info[0],
                 parallelism=config,
-                weights_info={k: tuple(v) for k, v in weights_info.items()},
+                weights_info={
+                    k: tuple(v) for k, v in info.remote_instance_transfer_engine_info[1].items()
+                },
                 dtype=dtype,
+                regions=tuple(map(tuple, info.registered_regions))
+                if info.registered_regions is not None
+                else None,
             )
-            for rank, (session_id, weights_info), config in zip(ranks, infos, configs, strict=True)
-        ]
+            for rank, info, config in zip(ranks, infos, configs, strict=True)
+        )
 
     async def _parallelism_of(
         self,
@@ -378,41 +701,34 @@ class SyncManager:
             ) from exc
         return results
 
-    async def _begin(self, replicas: Sequence[str]) -> None:
-        results = await self._call_all(
-            replicas, "begin_weight_update", selector=self._config.selector
-        )
-        failed = _failures(results)
-        if not failed:
-            return
-        began = [u for u, r in results.items() if not isinstance(r, BaseException)]
-        await self._call_all(began, "end_weight_update")
-        await self._resume(replicas, best_effort=True)
-        url, exc = failed[0]
-        raise RemoteReplicaError(
-            f"begin_weight_update failed on replica {url}: {exc}; the update was not started "
-            "and every replica serves its previous weights",
-            replica=url,
-            route="begin_weight_update",
-        ) from exc
-
     async def _abandon(self, replicas: Sequence[str], *, resume: bool) -> None:
         """End every session after a failure; resume serving only if no byte was written."""
-        await self._call_all(replicas, "end_weight_update")
+        timeout = self._config.lifecycle_timeout_s
+        began = [u for u in replicas if u in self._sessions]
+        await asyncio.gather(
+            *(
+                self._clients[u].end_weight_update(
+                    session_token=self._sessions.pop(u), timeout_s=timeout
+                )
+                for u in began
+            ),
+            return_exceptions=True,
+        )
         if resume:
             await self._resume(replicas, best_effort=True)
-        else:
+        elif replicas:
             logger.error("%s", _stay_paused(replicas))
 
     async def _resume(self, replicas: Sequence[str], *, best_effort: bool = False) -> None:
         """Serve again: take back the KV cache where this update released it, flush, continue."""
         call = self._call_all if best_effort else self._on_all
+        timeout = self._config.lifecycle_timeout_s
         released = [url for url in replicas if url in self._released]
         if released:
-            await call(released, "resume_memory_occupation", tags=["kv_cache"])
+            await call(released, "resume_memory_occupation", tags=["kv_cache"], timeout_s=timeout)
             self._released.difference_update(released)
         for method in ("flush_cache", "continue_generation"):
-            await call(replicas, method)
+            await call(replicas, method, timeout_s=timeout)
 
     async def _compare(self, replicas: Sequence[str]) -> None:
         results = await self._call_all(
@@ -430,6 +746,22 @@ class SyncManager:
                 f"bit-exact check failed on replica {url}: the first sync did not restore the "
                 f"snapshotted weights: {exc}"
             ) from exc
+
+
+def _digests_by_replica(
+    summary: PushSummary, targets: Sequence[TargetRank]
+) -> dict[str, dict[int, dict[str, int]]]:
+    """The push's digests per replica and rank, where the push computed them for every
+    rank of the replica."""
+    by_replica: dict[str, dict[int, dict[str, int]]] = {}
+    incomplete: set[str] = set()
+    for target in targets:
+        digests = summary.digests.get(target.session_id)
+        if digests is None:
+            incomplete.add(target.replica)
+            continue
+        by_replica.setdefault(target.replica, {})[target.rank] = dict(digests)
+    return {url: ranks for url, ranks in by_replica.items() if url not in incomplete}
 
 
 def _stay_paused(replicas: Sequence[str]) -> str:

@@ -23,6 +23,8 @@ class PushSummary:
         cached_program: every source ran a push program cached from an earlier push (see
             ``PushStats.cached_program``).
         per_source: every source rank's own `PushStats`, by rank.
+        digests: per target session id, ``{param_name: digest}`` of what all sources wrote
+            (`weightsync.layout.digest`); empty when the sources computed none.
     """
 
     bytes_written: int
@@ -33,6 +35,7 @@ class PushSummary:
     seconds_per_source: Mapping[int, float] = field(default_factory=dict)
     cached_program: bool = False
     per_source: Mapping[int, PushStats] = field(default_factory=dict)
+    digests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +74,10 @@ class SyncReport:
         metadata_refreshed: whether rollout metadata was fetched (first sync, or membership
             changed) rather than taken from the cache.
         bit_exact: the result of the bit-exact check, or None when it did not run.
+        verified: the replicas whose ranks verified the sync's digests against what arrived
+            (the others, such as SGLang as released, cannot).
+        dropped: replicas left out of this sync because they failed before any write, with
+            why; they serve their previous weights (and are tried again next sync).
     """
 
     version: str
@@ -79,6 +86,8 @@ class SyncReport:
     push: PushSummary
     metadata_refreshed: bool
     bit_exact: bool | None = None
+    verified: tuple[str, ...] = ()
+    dropped: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def bytes_written(self) -> int:
@@ -113,6 +122,8 @@ class SyncReport:
             "metadata_refreshed": self.metadata_refreshed,
             "cached_program": self.push.cached_program,
             "bit_exact": self.bit_exact,
+            "verified": list(self.verified),
+            "dropped": dict(self.dropped),
             "phases": {
                 "pause": self.phases.pause,
                 "metadata": self.phases.metadata,

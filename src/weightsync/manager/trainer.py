@@ -7,9 +7,11 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from weightsync.errors import PartialPushError, WeightsRefusedError
 from weightsync.export.base import WeightExport
 from weightsync.manager.collective import (
     Collective,
+    CollectiveError,
     NoPush,
     PushOrder,
     RankOutcome,
@@ -89,7 +91,10 @@ class TrainerSync:
         try:
             self._sender = WeightSender(self._config.sender, transport=self._transport, group=group)
             self._collective = Collective(
-                group, rank=self._sender.rank, world_size=self._sender.world_size
+                group,
+                rank=self._sender.rank,
+                world_size=self._sender.world_size,
+                timeout_s=self._config.collective_timeout_s,
             )
             if self._collective.is_driver:
                 self._manager = SyncManager(replicas, self._config.control)
@@ -180,10 +185,13 @@ class TrainerSync:
             LayoutMismatchError: the plan was refused before any write (every rank raises
                 it; the replicas serve their previous weights).
             WeightSyncError / ValueError: as `SyncManager.update_weights` raised on the driver.
+            CollectiveError: a trainer rank did not take part within
+                ``config.collective_timeout_s`` (dead, stopped, or not calling `sync`).
         """
         if self._closed:
             raise ValueError("sync() on a closed TrainerSync")
-        holdings = tuple(self._sender.gather_holdings(export))
+        mine = self._sender.holding(export)
+        holdings = tuple(sorted(self._collective.all_gather(mine), key=lambda h: h.rank))
         if self._manager is None:
             return self._follow(export)
         pushed = False
@@ -201,9 +209,13 @@ class TrainerSync:
         try:
             report = self.run(self._manager.update_weights(push, version=version))
         except BaseException as exc:
-            if not pushed:
-                self._collective.broadcast(NoPush(), (NoPush,))
-            self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
+            try:
+                if not pushed:
+                    self._collective.broadcast(NoPush(), (NoPush,))
+                self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
+            except CollectiveError as lost:
+                # The ranks that did not hear the outcome raise a CollectiveError of their own.
+                exc.add_note(f"the other trainer ranks could not be told: {lost}")
             raise
         self._collective.broadcast(SyncDone(report=report), (SyncDone,))
         return report
@@ -271,22 +283,58 @@ class TrainerSync:
                 self._plan = self._collective.scatter(plans, SourcePlan)
             if self._plan is None:
                 raise ValueError(f"trainer rank {self.rank} has no plan to push")
+            refused: Exception | None = None
+            try:
+                self._sender.preflight(self._plan, export)
+            except (ValueError, WeightsRefusedError) as exc:
+                refused = exc
+            # No rank writes unless every rank's checks passed: then a refusal leaves every
+            # replica untouched.
+            verdicts = [v for v in self._collective.all_gather(refused) if v is not None]
+            if verdicts:
+                raise verdicts[0]
             outcome = RankOutcome(rank=self.rank, stats=self._sender.push(self._plan, export))
+        except CollectiveError:
+            raise
         except Exception as exc:  # reported to the driver, which raises it for everyone
             outcome = RankOutcome(rank=self.rank, error=exc)
         outcomes = self._collective.gather(outcome, RankOutcome)
         if outcomes is None:
             return PushSummary(bytes_written=0, bytes_staged=0, num_writes=0, num_regions=0)
         failed = [o for o in outcomes if o.error is not None]
-        if failed:
-            raise failed[0].error
-        return _summarize(outcomes, targets)
+        if not failed:
+            return _summarize(outcomes, targets)
+        partial = [o.error for o in failed if isinstance(o.error, PartialPushError)]
+        if len(partial) < len(failed):
+            raise next(o.error for o in failed if not isinstance(o.error, PartialPushError))
+        # Only some targets failed: what every rank wrote, so the others can be finished.
+        written = [
+            RankOutcome(rank=o.rank, stats=o.stats if o.error is None else o.error.result)
+            for o in outcomes
+        ]
+        first = partial[0]
+        sessions = {s: why for error in partial for s, why in error.failed.items()}
+        raise PartialPushError(
+            str(first),
+            failed=sessions,
+            result=_summarize(written, targets),
+            target_session=first.target_session,
+            byte_ranges=first.byte_ranges,
+            return_code=first.return_code,
+            param_name=first.param_name,
+        ) from first
 
 
 def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -> PushSummary:
     per_replica: dict[str, int] = {}
     session_to_replica = {t.session_id: t.replica for t in targets}
     stats = {o.rank: o.stats for o in outcomes if o.stats is not None}
+    digests: dict[str, dict[str, int]] = {}
+    for rank_stats in stats.values():
+        for session_id, partial in rank_stats.digests.items():
+            total = digests.setdefault(session_id, {})
+            for name, value in partial.items():
+                total[name] = total.get(name, 0) + value
     for rank_stats in stats.values():
         for session_id, num_bytes in rank_stats.bytes_per_target.items():
             replica = session_to_replica.get(session_id, session_id)
@@ -300,4 +348,5 @@ def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -
         seconds_per_source={rank: s.seconds for rank, s in stats.items()},
         cached_program=all(s.cached_program for s in stats.values()),
         per_source=stats,
+        digests=digests,
     )

@@ -30,6 +30,7 @@ from weightsync.plan.types import SourceHolding, TargetRank
 from weightsync.plan.validate import (
     check_coverage,
     check_disjoint,
+    check_inside_regions,
     check_source_dtypes,
     check_source_names,
     check_source_shapes,
@@ -83,6 +84,7 @@ def build_plan(
             holders[name].append(source.rank)
     problems = check_targets(groups)
     problems += check_disjoint(targets)
+    problems += check_inside_regions(targets)
     problems += check_source_names(sources, hf_shapes, _skipper(skip_tensors))
     problems += check_source_dtypes(sources, _resolved_dtype(groups))
     problems += check_source_shapes(sources, hf_shapes, users)

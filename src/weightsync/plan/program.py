@@ -27,9 +27,11 @@ import dataclasses
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from weightsync.layout.digest import sample_run
 from weightsync.layout.dtypes import DTYPE_SIZES
-from weightsync.plan.chunks import split_bucket
+from weightsync.plan.chunks import Chunk, split_bucket
 from weightsync.plan.copies import CopyRecipe, fuse_copies
 from weightsync.plan.geometry import StreamGeometry, StreamKey, TensorGeometry, restrict
 from weightsync.plan.items import SourcePlan, StageWork
@@ -91,6 +93,31 @@ class TargetWrites:
     num_regions: int
 
 
+class SampleSpan(NamedTuple):
+    """The digest samples (`weightsync.layout.digest`) of one region of a chunk, in the ring.
+
+    A named tuple, like `Region`: a program holds one per region.
+
+    Attributes:
+        ring_offset: byte of the first strided sample, from the ring's start.
+        stride: bytes between two strided samples.
+        count: strided samples.
+        first_k: sample number of the first one.
+        tail_offset: ring byte of the parameter's last byte when the region holds it (and it
+            is not a strided sample), else -1.
+        tail_k: its sample number.
+        digest: the entry of `PushProgram.digests` the samples add to.
+    """
+
+    ring_offset: int
+    stride: int
+    count: int
+    first_k: int
+    tail_offset: int
+    tail_k: int
+    digest: int
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkStep:
     """One chunk of a program: fill it, then write it to every target of its layout.
@@ -108,6 +135,7 @@ class ChunkStep:
             must wait on the host for them (empty: the copies are done when the fill returns).
         release: stream tensors (by program index) that no later step reads.
         num_bytes: bytes the chunk stages.
+        samples: the digest samples of the chunk's regions, read once it is filled.
     """
 
     slot: int
@@ -120,6 +148,7 @@ class ChunkStep:
     event_devices: tuple[str, ...]
     release: tuple[int, ...]
     num_bytes: int
+    samples: tuple[SampleSpan, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,6 +190,9 @@ class PushProgram:
         tensors: their geometry, each ``storage`` renumbered to index `keys`.
         steps: the chunks, in the order they are filled.
         counters: what the program stages and writes.
+        digests: the ``(layout_id, param_name)`` of each digest the steps' samples sum
+            into: the digest of what this source writes of that parameter to every target
+            of that layout.
     """
 
     plan: SourcePlan = field(compare=False)
@@ -171,6 +203,7 @@ class PushProgram:
     tensors: tuple[TensorGeometry, ...]
     steps: tuple[ChunkStep, ...]
     counters: PushCounters
+    digests: tuple[tuple[int, str], ...] = ()
 
     def matches(self, plan: SourcePlan, geometry: StreamGeometry, staging: StagingSpec) -> bool:
         """Whether this program is the one for `plan` (the same object), `geometry` and
@@ -261,6 +294,12 @@ class _Lowering:
             for layout_id, targets in plan.targets.items()
         }
         self.steps: list[ChunkStep] = []
+        self.digests: dict[tuple[int, str], int] = {}
+        self.param_bytes = {
+            layout_id: {name: numel * size for name, (_, numel, size) in t[0].weights_info.items()}
+            for layout_id, t in plan.targets.items()
+            if t
+        }
         self.num_buckets = 0
         self.bytes_staged = 0
 
@@ -324,8 +363,38 @@ class _Lowering:
                     event_devices=event_devices,
                     release=(),
                     num_bytes=chunk.num_bytes,
+                    samples=self._samples(bucket.layout_id, chunk, slot_start),
                 )
             )
+
+    def _samples(self, layout_id: int, chunk: Chunk, slot_start: int) -> tuple[SampleSpan, ...]:
+        """Where the digest samples of `chunk`'s regions lie in the ring."""
+        sizes = self.param_bytes.get(layout_id)
+        if sizes is None:
+            return ()
+        spans = []
+        for region in chunk.regions:
+            num_bytes = sizes.get(region.param_name)
+            if num_bytes is None:
+                continue
+            run = sample_run(num_bytes, region.dst_offset_bytes, region.num_bytes)
+            if not run.count and run.tail_offset < 0:
+                continue
+            key = (layout_id, region.param_name)
+            digest = self.digests.setdefault(key, len(self.digests))
+            start = slot_start + region.slot_offset
+            spans.append(
+                SampleSpan(
+                    ring_offset=start + run.first_offset,
+                    stride=run.stride,
+                    count=run.count,
+                    first_k=run.first_k,
+                    tail_offset=start + run.tail_offset if run.tail_offset >= 0 else -1,
+                    tail_k=run.tail_k,
+                    digest=digest,
+                )
+            )
+        return tuple(spans)
 
     def _program(self) -> PushProgram:
         last_use: dict[int, int] = {}
@@ -350,6 +419,7 @@ class _Lowering:
             tensors=self.tensors,
             steps=steps,
             counters=count(steps),
+            digests=tuple(self.digests),
         )
 
 

@@ -28,6 +28,9 @@ class TargetRank:
             lists (from JSON) are converted to tuples.
         dtype: the parameters' dtype as the replica reports it (``/server_info``), when it
             names one; `build_plan` plans with it unless told another.
+        regions: the ``(addr, num_bytes)`` memory regions the rank registered with its
+            transport, when it publishes them (the reference server does): every parameter
+            must lie inside one, which the plan checks before any byte moves.
 
     Raises:
         ValueError: an empty replica or session id, a negative rank, or a ``weights_info``
@@ -40,6 +43,7 @@ class TargetRank:
     parallelism: ParallelismConfig
     weights_info: Mapping[str, tuple[int, int, int]] = field(hash=False)
     dtype: str | None = None
+    regions: tuple[tuple[int, int], ...] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -67,6 +71,9 @@ class TargetRank:
                 )
             info[name] = values  # type: ignore[assignment]
         object.__setattr__(self, "weights_info", info)
+        if self.regions is not None:
+            regions = tuple((int(a), int(n)) for a, n in self.regions)
+            object.__setattr__(self, "regions", regions)
 
     @property
     def label(self) -> str:

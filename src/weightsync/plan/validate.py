@@ -6,6 +6,7 @@ The checks collect every problem they find, so one `LayoutMismatchError` reports
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from weightsync.errors import LayoutMismatchError
@@ -134,6 +135,40 @@ def check_disjoint(targets: Iterable[TargetRank]) -> list[str]:
                 )
             if reach_end is None or end > reach_end:
                 reach_end, reach_name = end, name
+    return problems
+
+
+def check_inside_regions(targets: Iterable[TargetRank]) -> list[str]:
+    """Check that every parameter a rank published lies inside a memory region it registered
+    (for ranks that publish their regions).
+
+    A parameter past its rank's registered memory would be found only by the transport,
+    after the writes before it had landed: refused before any write instead.
+
+    Returns:
+        One sentence per parameter outside every region (at most five per rank).
+    """
+    problems: list[str] = []
+    for target in targets:
+        if target.regions is None:
+            continue
+        regions = sorted(target.regions)
+        starts = [start for start, _ in regions]
+        outside = []
+        for name, (addr, numel, element_size) in target.weights_info.items():
+            end = addr + numel * element_size
+            index = bisect.bisect_right(starts, addr) - 1
+            if numel and (index < 0 or end > regions[index][0] + regions[index][1]):
+                outside.append(f"{name!r} at [{addr:#x}, {end:#x})")
+        if outside:
+            shown = ", ".join(outside[:5]) + (
+                f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+            )
+            problems.append(
+                f"{_where(target)}: parameters {shown} lie outside every memory region the "
+                "rank registered with its transport: the replica published wrong addresses "
+                "(restart it, or check the engine's weights_info)"
+            )
     return problems
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
 import torch
@@ -13,6 +15,7 @@ from weightsync.control.models import Selector
 from weightsync.errors import WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.checker import CheckResult, WeightsChecker
+from weightsync.receiver.digest import ParameterDigests
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
@@ -20,6 +23,26 @@ if TYPE_CHECKING:
 
 class UpdateSessionError(WeightSyncError):
     """A weight-update session was begun while one is open, or ended while none is."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionCheck:
+    """What one rank found when a session began or ended (`weightsync.layout.digest`).
+
+    Attributes:
+        changed: parameters whose bytes differ from what they held at the last reference
+            point: at begin, the end of the last session (bytes written from outside any
+            session); at end, the begin of this one (what the session wrote).
+        mismatched: at end, with expected digests, the parameters whose digest differs from
+            the expected one or that had none expected.
+        verified: at end, expected digests were given and every parameter matched.
+        seconds: what computing the digests took (the cost of the checks).
+    """
+
+    changed: tuple[str, ...] = ()
+    mismatched: tuple[str, ...] = ()
+    verified: bool = False
+    seconds: float = 0.0
 
 
 class RolloutAgent:
@@ -33,7 +56,11 @@ class RolloutAgent:
        memory saver): trainers write into those addresses.
     2. `publish` to the replica's bootstrap server (or serve `transfer_engine_info` yourself).
     3. Per update: `begin_update`, (trainers write the bytes), `set_weight_version`,
-       `end_update`. The engine must not run forward passes between begin and end.
+       `end_update` (with the digests the trainers computed, to verify what arrived). The
+       engine must not run forward passes between begin and end. Both calls say which
+       parameters changed since the last reference point (`SessionCheck`), so the engine
+       knows without trusting anyone whether a session wrote anything and whether bytes
+       arrived from outside a session.
     4. Any time: `weights_checker` (snapshot / reset_tensors / compare / checksum).
     5. `close` when the engine shuts down: unregisters the memory (the transport stays the
        caller's to close).
@@ -81,9 +108,13 @@ class RolloutAgent:
         self._weight_version = weight_version
         self._session_selector: str | None = None
         self._checker = WeightsChecker(self._params)
+        self._digests = ParameterDigests(self._params)
+        self._reference = self._digests.compute()  # what the weights held at the last end
+        self._at_begin: dict[str, int] = {}
         self._registered: list[int] = []
+        self._regions = memory_regions(self._params.values())
         try:
-            for addr, num_bytes in memory_regions(self._params.values()):
+            for addr, num_bytes in self._regions:
                 transport.register(addr, num_bytes)
                 self._registered.append(addr)
         except BaseException:
@@ -104,6 +135,11 @@ class RolloutAgent:
     def registered_regions(self) -> int:
         """How many memory regions are registered (adjacent parameters share one)."""
         return len(self._registered)
+
+    @property
+    def regions(self) -> tuple[tuple[int, int], ...]:
+        """The ``(addr, num_bytes)`` memory regions registered with the transport."""
+        return tuple(self._regions)
 
     @property
     def session_open(self) -> bool:
@@ -157,8 +193,12 @@ class RolloutAgent:
             if isinstance(result, BaseException):
                 raise result
 
-    def begin_update(self, selector: Selector = "target") -> None:
+    def begin_update(self, selector: Selector = "target") -> SessionCheck:
         """Open a weight-update session; the engine must not generate until `end_update`.
+
+        Returns:
+            The parameters whose bytes changed since the last session ended (written from
+            outside a session; empty when nothing was).
 
         Raises:
             UpdateSessionError: a session is already open.
@@ -171,10 +211,24 @@ class RolloutAgent:
                 f"a weight-update session (selector={self._session_selector}) is already open "
                 f"on tp rank {self._parallelism.tp_rank}; end it before beginning another"
             )
+        start = time.perf_counter()
+        self._at_begin = self._digests.compute()
         self._session_selector = selector
+        return SessionCheck(
+            changed=_differing(self._at_begin, self._reference),
+            seconds=time.perf_counter() - start,
+        )
 
-    def end_update(self) -> None:
-        """Run the engine's post-load processing and close the session.
+    def end_update(self, expected: Mapping[str, int] | None = None) -> SessionCheck:
+        """Verify what arrived, run the engine's post-load processing and close the session.
+
+        Args:
+            expected: ``{param_name: digest}`` of what the trainers wrote (summed over the
+                trainer ranks), or None when they sent none.
+
+        Returns:
+            Which parameters the session changed and, with `expected`, which do not hold
+            what the trainers wrote (every parameter must have a digest: a sync writes all).
 
         Raises:
             UpdateSessionError: no session is open.
@@ -185,10 +239,32 @@ class RolloutAgent:
                 "call begin_weight_update first"
             )
         try:
+            start = time.perf_counter()
+            # Before post-load processing, which may rewrite parameters in place.
+            now = self._digests.compute()
+            seconds = time.perf_counter() - start
+            mismatched: tuple[str, ...] = ()
+            if expected is not None:
+                mismatched = tuple(
+                    name for name, value in now.items() if expected.get(name) != value
+                )
             if self._on_update_end is not None:
                 self._on_update_end()
+            start = time.perf_counter()
+            self._reference = self._digests.compute()
+            seconds += time.perf_counter() - start
         finally:
             self._session_selector = None
+        return SessionCheck(
+            changed=_differing(now, self._at_begin),
+            mismatched=mismatched,
+            verified=expected is not None and not mismatched,
+            seconds=seconds,
+        )
+
+    def digests(self) -> dict[str, int]:
+        """``{param_name: digest}`` of what every parameter holds now."""
+        return self._digests.compute()
 
     def weights_checker(
         self,
@@ -203,12 +279,16 @@ class RolloutAgent:
         Raises:
             ValueError: unknown action or a skip entry that matches no parameter.
         """
-        return self._checker.run(
+        result = self._checker.run(
             action,
             allow_quant_error=allow_quant_error,
             skip_tensor_list=skip_tensor_list,
             seed=seed,
         )
+        if action == "reset_tensors" and self._session_selector is None:
+            # A change the engine made itself, not one from outside a session.
+            self._reference = self._digests.compute()
+        return result
 
     def close(self) -> None:
         """Unregister every region this agent registered (idempotent)."""
@@ -220,6 +300,10 @@ class RolloutAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _differing(now: Mapping[str, int], before: Mapping[str, int]) -> tuple[str, ...]:
+    return tuple(name for name, value in now.items() if before.get(name) != value)
 
 
 def memory_regions(tensors: Collection[torch.Tensor]) -> list[tuple[int, int]]:

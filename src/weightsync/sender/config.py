@@ -51,6 +51,8 @@ class SenderConfig:
             float32 3.4e38 becomes in bf16): ``"first"`` on a sender's first push,
             ``"always"``, or ``"never"``. The check reads every tensor once more, so by
             default it runs only until a push succeeded.
+        digest: sum a sample of each parameter's staged bytes (`weightsync.layout.digest`)
+            so that the replicas can verify what they received at ``end_weight_update``.
 
     Raises:
         ValueError: a non-positive size, count or timeout, an unknown staging kind, or
@@ -66,6 +68,7 @@ class SenderConfig:
     max_outstanding_per_peer: int = 1000
     chunk_bytes: int | None = None
     check_finite: FiniteCheck = "first"
+    digest: bool = True
 
     def __post_init__(self) -> None:
         names = (

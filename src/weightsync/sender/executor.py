@@ -27,6 +27,7 @@ import torch
 from weightsync.export.geometry import tensor_geometry
 from weightsync.plan.geometry import TensorGeometry
 from weightsync.plan.program import ChunkStep, PushProgram
+from weightsync.sender.digest import DigestSums
 from weightsync.sender.fill import SlotFiller, record_events
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.writes import WriteQueue
@@ -54,6 +55,7 @@ class ProgramRun:
         ring: the allocated staging ring the program's offsets refer to.
         filler: runs the copies.
         queue: submits and waits for the writes.
+        digests: sums the digest samples of each chunk once it is filled (None: no digest).
     """
 
     def __init__(
@@ -63,8 +65,10 @@ class ProgramRun:
         ring: StagingRing,
         filler: SlotFiller,
         queue: WriteQueue,
+        digests: DigestSums | None = None,
     ) -> None:
         self._program = program
+        self._digests = digests
         self._ring = ring
         self._filler = filler
         self._queue = queue
@@ -77,13 +81,13 @@ class ProgramRun:
         self.times = ExecutionTimes()
 
     def execute(self, tensors: Iterable[tuple[str, Any]]) -> None:
-        """Consume the stream and run every step; return once every write landed.
+        """Consume the stream and run every step; return once every write landed or failed
+        (a failed target is recorded in the queue's `WriteQueue.failed`, not raised).
 
         Raises:
             ValueError: the stream differs from the geometry the program was lowered for (a
                 tensor arrives out of order, twice, laid out otherwise, or not at all); raised
                 before anything of that tensor is staged.
-            TransferError: a write failed or timed out.
         """
         program = self._program
         index = {key: i for i, key in enumerate(program.keys)}
@@ -180,6 +184,10 @@ class ProgramRun:
         for event in events:
             event.synchronize()
         t1 = time.perf_counter()
+        if self._digests is not None:
+            # The chunk is filled (its events waited for, or its copies ahead on the stream
+            # the sums are enqueued on) and not yet refilled: its writes have not gone out.
+            self._digests.add_step(step, self._bytes)
         after_stream = self._stream if step.stream_ordered else None
         base = self._ring_base
         for target_writes in step.writes:

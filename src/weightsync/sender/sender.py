@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.errors import PartialPushError, TransferError, WeightsRefusedError
 from weightsync.export.base import WeightExport
 from weightsync.plan.geometry import StreamGeometry
 from weightsync.plan.items import SourcePlan
 from weightsync.plan.program import PushProgram, StagingSpec, lower_push
 from weightsync.plan.types import SourceHolding
 from weightsync.sender.config import SenderConfig
+from weightsync.sender.digest import DigestSums
 from weightsync.sender.executor import ProgramRun
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.staging import StagingRing, transport_reads
@@ -80,7 +82,10 @@ class WeightSender:
         )
         self._plan: SourcePlan | None = None
         self._programs: list[PushProgram] = []
+        self._digest_sums: dict[int, DigestSums] = {}  # by id() of a program in _programs
         self._pushed = False  # a push has completed (check_finite="first" checks until then)
+        # (id(plan), id(export)) a preflight checked, and whether its program was cached then.
+        self._preflighted: tuple[int, int, bool] | None = None
         self._closed = False
 
     @property
@@ -130,7 +135,7 @@ class WeightSender:
                 differs from the plan's, a box out of range); nothing is written.
         """
         if plan is not self._plan:
-            self._plan, self._programs = plan, []
+            self._plan, self._programs, self._digest_sums = plan, [], {}
         geometry = export.geometry()
         staging = self._staging(plan, geometry)
         for program in self._programs:
@@ -138,7 +143,29 @@ class WeightSender:
                 return program, True
         program = lower_push(plan, geometry, staging)
         self._programs = [program, *self._programs[: _MAX_PROGRAMS - 1]]
+        kept = {id(p) for p in self._programs}
+        self._digest_sums = {k: v for k, v in self._digest_sums.items() if k in kept}
         return program, False
+
+    def preflight(self, plan: SourcePlan, export: WeightExport) -> None:
+        """Everything `push` checks before it writes: the program (the export holds what the
+        plan needs) and, when due (``config.check_finite``), finite values. A `push` of the
+        same plan and export that follows does not check again.
+
+        A group of trainer ranks runs it on every rank and pushes only if no rank refused,
+        so that one rank's bad weights leave every replica untouched.
+
+        Raises:
+            ValueError: the export does not hold what the plan needs.
+            WeightsRefusedError: a value that is not finite in the rollout's dtype.
+        """
+        if self._closed:
+            raise ValueError("preflight() on a closed WeightSender")
+        program, cached = self.program_for(plan, export)
+        check = self.config.check_finite
+        if check == "always" or (check == "first" and not self._pushed):
+            refuse_non_finite(program, export)
+        self._preflighted = (id(plan), id(export), cached)
 
     def push(self, plan: SourcePlan, export: WeightExport) -> PushStats:
         """Write this rank's share of a sync into the plan's targets.
@@ -154,30 +181,39 @@ class WeightSender:
 
         Raises:
             ValueError: the export does not hold what the plan needs in the shapes the plan
-                was built for, or a value that is not finite in the rollout's dtype (with
-                ``check_finite``), both raised before anything is written; or its stream
-                differs from its geometry (raised before that tensor is staged).
-            TransferError: a write failed or timed out; names the target and parameters.
+                was built for (raised before anything is written), or its stream differs
+                from its geometry (raised before that tensor is staged).
+            WeightsRefusedError: a value that is not finite in the rollout's dtype (with
+                ``check_finite``); raised before anything is written.
+            PartialPushError: writes to some targets failed or timed out (a `TransferError`
+                naming the first target and its parameters; ``failed`` lists every failed
+                target); every write to the other targets landed, and ``result`` holds this
+                push's `PushStats` (their digests included).
         """
         if self._closed:
             raise ValueError("push() on a closed WeightSender")
         start = time.perf_counter()
         program, cached = self.program_for(plan, export)
         lowered = time.perf_counter()
+        preflight, self._preflighted = self._preflighted, None
+        checked = preflight is not None and preflight[:2] == (id(plan), id(export))
+        if checked:
+            cached = preflight[2]
         check = self.config.check_finite
-        if check == "always" or (check == "first" and not self._pushed):
+        if not checked and (check == "always" or (check == "first" and not self._pushed)):
             refuse_non_finite(program, export)
-        run = ProgramRun(
-            program, ring=self._ring_for(program.staging), filler=self._filler, queue=self._queue
-        )
+        ring = self._ring_for(program.staging)
+        sums = self._sums_for(program, ring.device) if self.config.digest else None
+        run = ProgramRun(program, ring=ring, filler=self._filler, queue=self._queue, digests=sums)
+        self._queue.start()
         try:
             run.execute(iter(export))
         except BaseException:
             self._queue.drain()
             raise
-        self._pushed = True
         counters = program.counters
-        return PushStats(
+        digests = _per_target(program, sums.values()) if sums is not None else {}
+        stats = PushStats(
             rank=self.rank,
             bytes_staged=counters.bytes_staged,
             bytes_written=counters.bytes_written,
@@ -192,7 +228,14 @@ class WeightSender:
             write_seconds=run.times.write_s,
             bytes_per_target=dict(counters.bytes_per_target),
             cached_program=cached,
+            digests=digests,
         )
+        failed = self._queue.failed
+        if failed:
+            self._queue.drain()
+            raise _partial(failed, stats, num_targets=len(counters.bytes_per_target))
+        self._pushed = True
+        return stats
 
     def release(self) -> None:
         """Unregister and free the staging memory (e.g. before a trainer checkpoint save)."""
@@ -231,6 +274,14 @@ class WeightSender:
             stream_ordered=bool(getattr(self._transport, "stream_ordered", False)),
         )
 
+    def _sums_for(self, program: PushProgram, device: torch.device) -> DigestSums:
+        """The digest sums of `program` on `device`, built on its first push and reset."""
+        sums = self._digest_sums.get(id(program))
+        if sums is None or sums.program is not program:
+            sums = self._digest_sums[id(program)] = DigestSums(program, device=device)
+        sums.reset()
+        return sums
+
     def _ring_for(self, staging: StagingSpec) -> StagingRing:
         """The staging ring of `staging`, allocated (and registered) on first use."""
         ring = self._ring
@@ -264,6 +315,37 @@ class WeightSender:
         return device if readable else torch.device("cpu")
 
 
+def _partial(
+    failed: dict[str, TransferError], stats: PushStats, *, num_targets: int
+) -> PartialPushError:
+    first = next(iter(failed.values()))
+    others = f" ({len(failed)} of {num_targets} targets failed)" if num_targets > 1 else ""
+    return PartialPushError(
+        f"{first}{others}",
+        failed={session: str(exc) for session, exc in failed.items()},
+        result=stats,
+        target_session=first.target_session,
+        byte_ranges=first.byte_ranges,
+        return_code=first.return_code,
+        param_name=first.param_name,
+    )
+
+
+def _per_target(
+    program: PushProgram, sums: dict[tuple[int, str], int]
+) -> dict[str, dict[str, int]]:
+    """The digests of a push by target session id; the targets of one layout share one dict
+    (it pickles once)."""
+    per_layout: dict[int, dict[str, int]] = {}
+    for (layout_id, param_name), value in sums.items():
+        per_layout.setdefault(layout_id, {})[param_name] = value
+    return {
+        target.session_id: per_layout.get(layout_id, {})
+        for layout_id, targets in program.plan.targets.items()
+        for target in targets
+    }
+
+
 def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
     """Raise, before anything is written, if a tensor the program reads holds a value that is
     NaN or infinite once cast to the rollout's dtype (a float32 weight of 3.4e38 is finite,
@@ -273,7 +355,7 @@ def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
     value decides, as rounding is monotonic).
 
     Raises:
-        ValueError: naming the tensor, the trainer rank and what to do.
+        WeightsRefusedError: naming the tensor, the trainer rank and what to do.
     """
     dtype = torch_dtype(program.dtype)
     if not dtype.is_floating_point:
@@ -285,7 +367,7 @@ def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
                 continue
             bounds = torch.stack([tensor.amax(), tensor.amin()]).to(dtype)
             if not bool(torch.isfinite(bounds).all()):
-                raise ValueError(
+                raise WeightsRefusedError(
                     f"trainer rank {program.plan.rank}: HF tensor {name!r} holds values that "
                     f"are not finite in the rollout's {program.dtype} (NaN, or beyond its range "
                     "once cast); nothing was written. Fix the trainer's weights, or set "

@@ -30,6 +30,9 @@ class PushStats:
         bytes_per_target: bytes written to each target, by session id.
         cached_program: the push ran the program an earlier push of the same plan lowered
             for the same stream geometry (no planning left); False when it was lowered now.
+        digests: per target session id, ``{param_name: digest}`` of the bytes this rank
+            wrote of each parameter (`weightsync.layout.digest`); the partial digests of all
+            ranks add up to the parameter's. Empty when the sender computes none.
     """
 
     rank: int
@@ -47,6 +50,7 @@ class PushStats:
     write_seconds: float
     bytes_per_target: Mapping[str, int] = field(default_factory=dict)
     cached_program: bool = False
+    digests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     @property
     def write_gbps(self) -> float:

@@ -35,10 +35,15 @@ class _Peer:
 class WriteQueue:
     """Submits writes without blocking, keeps each peer under its limit, waits per slot.
 
-    Call protocol: `submit` the writes of a slot; `wait_slot` before the slot is refilled;
-    `wait_all` at the end of a push; `drain` after a failure, before the memory is reused.
-    Every wait raises `TransferError` naming the target and the parameters of the failed
-    bytes.
+    Call protocol: `start` a push; `submit` the writes of a slot; `wait_slot` before the slot
+    is refilled; `wait_all` at the end of a push; `drain` after a failure, before the memory
+    is reused.
+
+    A target whose write fails is isolated, not fatal: the failure (a `TransferError` naming
+    the target and the parameters of the failed bytes) is recorded in `failed`, no more
+    writes go to that target in this push and its writes still in flight are not waited for
+    (a dead or frozen peer would otherwise cost a timeout per batch), and the writes to the
+    other targets go on. The sender reports the failed targets when the push ends.
     """
 
     def __init__(
@@ -56,6 +61,11 @@ class WriteQueue:
         self._limit = max_outstanding_per_peer
         self._peers: dict[str, _Peer] = defaultdict(_Peer)
         self._slots: dict[int, list[_Batch]] = defaultdict(list)
+        self.failed: dict[str, TransferError] = {}
+
+    def start(self) -> None:
+        """Begin a push: no target has failed yet."""
+        self.failed = {}
 
     @property
     def stream_ordered(self) -> bool:
@@ -83,16 +93,19 @@ class WriteQueue:
                 copies fill the slot: the writes wait for them on the GPU. None: the slot's
                 bytes are final already.
 
-        Raises:
-            TransferError: the transport refused a batch, or an earlier batch to the same
-                peer failed while making room.
+        A target that failed in this push gets no more writes; a refusal or failure met
+        here is recorded in `failed`.
         """
+        if target.session_id in self.failed:
+            return
         peer = self._peers[target.session_id]
         ordering = {} if after_stream is None else {"after_stream": after_stream}
         for start in range(0, len(writes), self._limit):
             chunk = writes[start : start + self._limit]
             while peer.batches and peer.outstanding + len(chunk) > self._limit:
                 self._wait(peer.batches[0])
+            if target.session_id in self.failed:
+                return
             try:
                 handle = self._transport.write(
                     target.session_id,
@@ -102,32 +115,20 @@ class WriteQueue:
                     **ordering,
                 )
             except TransferError as exc:
-                raise _named(exc, target, chunk) from exc
+                self.failed.setdefault(target.session_id, _named(exc, target, chunk))
+                return
             batch = _Batch(handle=handle, target=target, writes=chunk)
             peer.batches.append(batch)
             peer.outstanding += len(chunk)
             self._slots[slot].append(batch)
 
     def wait_slot(self, slot: int) -> None:
-        """Wait for every write that reads slot `slot`.
-
-        Raises:
-            TransferError: one of them failed or timed out.
-        """
-        batches = self._slots.pop(slot, [])
-        for index, batch in enumerate(batches):
-            try:
-                self._wait(batch)
-            except TransferError:
-                self._slots[slot] = batches[index + 1 :]
-                raise
+        """Wait for every write that reads slot `slot` (failures go to `failed`)."""
+        for batch in self._slots.pop(slot, []):
+            self._wait(batch)
 
     def wait_all(self) -> None:
-        """Wait for every write submitted so far.
-
-        Raises:
-            TransferError: one of them failed or timed out.
-        """
+        """Wait for every write submitted so far (failures go to `failed`)."""
         for slot in list(self._slots):
             self.wait_slot(slot)
 
@@ -150,11 +151,14 @@ class WriteQueue:
     def _wait(self, batch: _Batch) -> None:
         if batch.done:
             return
-        try:
-            self._transport.wait(batch.handle, self._timeout_s)
-        except TransferError as exc:
-            self._finish(batch)
-            raise _named(exc, batch.target, batch.writes) from exc
+        session = batch.target.session_id
+        if session not in self.failed:
+            try:
+                self._transport.wait(batch.handle, self._timeout_s)
+            except TransferError as exc:
+                self.failed[session] = _named(exc, batch.target, batch.writes)
+        # A failed target's writes still in flight are not waited for: it is dirty anyway,
+        # and its next session's digests catch whatever of them lands late.
         self._finish(batch)
 
     def _finish(self, batch: _Batch) -> None:

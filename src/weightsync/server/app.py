@@ -33,6 +33,7 @@ from weightsync import __version__
 from weightsync.control.models import (
     AbortRequestRequest,
     BeginWeightUpdateRequest,
+    BeginWeightUpdateResponse,
     ContinueGenerationRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
@@ -41,6 +42,7 @@ from weightsync.control.models import (
     ModelInfo,
     ParallelismConfigModel,
     PauseGenerationRequest,
+    RenewWeightUpdateRequest,
     ServerInfo,
     StatusResponse,
     SuccessResponse,
@@ -215,14 +217,42 @@ def create_main_app(
 
     @app.post(
         "/begin_weight_update",
-        response_model=SuccessResponse,
+        response_model=BeginWeightUpdateResponse,
         dependencies=authorized,
         responses={**error_responses(), **SUCCESS_400},
     )
     async def begin_weight_update(body: BeginWeightUpdateRequest | None = None) -> Any:
-        """Open a weight-update session; 400 if one is already open."""
+        """Open a weight-update session; 400 if one is already open. With ``lease_s`` the
+        session is a lease: the reply's ``session_token`` must accompany its calls."""
         body = body or BeginWeightUpdateRequest()
-        return await success_reply(controller.begin_weight_update(body.selector))
+        try:
+            grant = await controller.begin_weight_update(body.selector, lease_s=body.lease_s)
+        except ControlError as exc:
+            if exc.status_code != 400:
+                raise
+            return success_body(False, str(exc))
+        extra: dict[str, Any] = (
+            {"session_token": grant.token, "lease_s": grant.lease_s} if grant.token else {}
+        )
+        if grant.changed_outside:
+            extra["changed_outside"] = list(grant.changed_outside)
+        return success_body(True, grant.message, **extra)
+
+    @app.post(
+        "/renew_weight_update",
+        response_model=BeginWeightUpdateResponse,
+        dependencies=authorized,
+        responses={**error_responses(), **SUCCESS_400},
+    )
+    async def renew_weight_update(body: RenewWeightUpdateRequest) -> Any:
+        """Extend the open session's lease by ``lease_s`` from now (its holder only)."""
+        try:
+            lease_s = await controller.renew_weight_update(body.session_token, body.lease_s)
+        except ControlError as exc:
+            if exc.status_code != 400:
+                raise
+            return success_body(False, str(exc))
+        return success_body(True, f"lease renewed for {lease_s:g} s", lease_s=lease_s)
 
     @app.post(
         "/end_weight_update",
@@ -231,9 +261,13 @@ def create_main_app(
         responses={**error_responses(), **SUCCESS_400},
     )
     async def end_weight_update(body: EndWeightUpdateRequest) -> Any:
-        """Run post-load processing and close the session; 400 if none is open, and without a
-        JSON body (``{}``), as SGLang."""
-        return await success_reply(controller.end_weight_update())
+        """Verify the trainers' ``digests`` (when sent), run post-load processing and close
+        the session; 400 if none is open, for another holder's token, for digests that do
+        not match (the weights are then incomplete), and without a JSON body (``{}``), as
+        SGLang."""
+        return await success_reply(
+            controller.end_weight_update(token=body.session_token, digests=body.digests)
+        )
 
     @app.post(
         "/update_weight_version",
@@ -244,7 +278,9 @@ def create_main_app(
     async def update_weight_version(body: UpdateWeightVersionRequest) -> Any:
         """Label the weights the replica now holds."""
         return await success_reply(
-            controller.update_weight_version(body.new_version, body.abort_all_requests),
+            controller.update_weight_version(
+                body.new_version, body.abort_all_requests, token=body.session_token
+            ),
             new_version=body.new_version,
         )
 

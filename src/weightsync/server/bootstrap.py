@@ -16,7 +16,13 @@ from weightsync.control.models import (
     TransferEngineInfoResponse,
     WeightsInfo,
 )
-from weightsync.server.http import ERROR_RESPONSES, bearer_auth, install_error_handler
+from weightsync.server.config import DEFAULT_MAX_BOOTSTRAP_BODY_BYTES
+from weightsync.server.http import (
+    ERROR_RESPONSES,
+    bearer_auth,
+    install_error_handler,
+    limit_body_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +61,20 @@ class BootstrapRegistry:
             return self._parallelism.get(rank)
 
 
-def create_bootstrap_app(registry: BootstrapRegistry, *, api_key: str | None = None) -> FastAPI:
+def create_bootstrap_app(
+    registry: BootstrapRegistry,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BOOTSTRAP_BODY_BYTES,
+) -> FastAPI:
     """The bootstrap server's app over `registry`.
 
     Errors follow SGLang's bootstrap server: ``{"detail": ...}`` with 400 for a negative
-    rank and 404 for a rank that has not registered; with `api_key`, the ``PUT`` routes need
-    ``Authorization: Bearer <api_key>`` (401 otherwise).
+    rank and 404 for a rank that has not registered. With `api_key`, every route but
+    ``/health`` needs ``Authorization: Bearer <api_key>`` (401 ``{"error": {"message"}}``
+    otherwise): the ``PUT`` routes change what trainers write to, and the ``GET`` routes
+    reveal every parameter's address and the ranks' transfer-engine sessions. Bodies over
+    `max_body_bytes` are answered 413.
     """
     app = FastAPI(
         title="weightsync engine-info bootstrap server",
@@ -68,6 +82,7 @@ def create_bootstrap_app(registry: BootstrapRegistry, *, api_key: str | None = N
         description="Per-rank transfer-engine info and parallelism config of one replica.",
     )
     install_error_handler(app)
+    limit_body_size(app, max_body_bytes, setting="weightsync serve --max-bootstrap-body-bytes")
     authorized = [Depends(bearer_auth(api_key))]
 
     @app.get("/health", response_class=PlainTextResponse)
@@ -107,7 +122,14 @@ def create_bootstrap_app(registry: BootstrapRegistry, *, api_key: str | None = N
         logger.info("registered parallelism config of tp rank %d", body.tp_rank)
         return "OK"
 
-    @app.get("/get_transfer_engine_info", response_model=TransferEngineInfoResponse)
+    @app.get(
+        "/get_transfer_engine_info",
+        response_model=TransferEngineInfoResponse,
+        # SGLang's body: the main server's registered_regions are not the bootstrap's to say.
+        response_model_exclude_none=True,
+        dependencies=authorized,
+        responses=ERROR_RESPONSES,
+    )
     async def get_transfer_engine_info(rank: int) -> dict[str, Any]:
         """``{"rank": N, "remote_instance_transfer_engine_info": [session_id, weights_info]}``."""
         if rank < 0:
@@ -117,7 +139,7 @@ def create_bootstrap_app(registry: BootstrapRegistry, *, api_key: str | None = N
             raise HTTPException(status_code=404, detail=f"No transfer engine info for rank {rank}")
         return {"rank": rank, "remote_instance_transfer_engine_info": list(info)}
 
-    @app.get("/get_parallelism_config")
+    @app.get("/get_parallelism_config", dependencies=authorized, responses=ERROR_RESPONSES)
     async def get_parallelism_config(rank: int) -> dict[str, Any]:
         """The parallelism config dict rank `rank` registered."""
         if rank < 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
@@ -14,6 +14,12 @@ LOAD_FORMATS = ("safetensors", "dummy")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # The dtypes a reference replica holds its parameters in, by canonical name.
 SERVED_DTYPES = tuple(canonical_dtype_name(choice) for choice in ROLLOUT_DTYPE_CHOICES)
+MIB = 1 << 20
+# Generation requests and control calls are small; the bootstrap server takes whole
+# parameter tables (~100 bytes of JSON per parameter), so it allows far more.
+DEFAULT_MAX_BODY_BYTES = 16 * MIB
+DEFAULT_MAX_BOOTSTRAP_BODY_BYTES = 256 * MIB
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,10 +36,17 @@ class ServeConfig:
             ``CUDA_VISIBLE_DEVICES``); ``cuda`` only.
         dtype: parameter dtype name (``bfloat16``, ``float16``, ``float32``); ``None``: the
             checkpoint's.
-        host: interface both HTTP servers bind to (loopback unless told otherwise).
+        host: the interface the replica listens on (loopback unless told otherwise): both
+            HTTP servers, and the TP group's rendezvous store and gloo sockets (those on
+            `local_host`). Two libraries choose their own: Mooncake's TransferEngine listens
+            on every interface whatever it is given (its handshake port on 0.0.0.0, its TCP
+            data port on [::]; Mooncake has no setting for this, and every rank logs a
+            warning naming both ports), and NCCL's bootstrap (``device="cuda"``) listens
+            where ``NCCL_SOCKET_IFNAME`` says.
         port: main server port; 0 picks a free one.
         bootstrap_port: engine-info bootstrap server port; 0 picks a free one.
-        api_key: bearer token required by every state-changing route; ``None``: no auth.
+        api_key: bearer token required by every route of both servers but their health
+            and readiness routes; ``None``: no auth.
         transport: ``mooncake`` (TCP / RDMA; GPU memory only with a CUDA build of Mooncake)
             or ``cuda_ipc`` (trainers on the same host write into the GPUs over CUDA IPC;
             needs ``device="cuda"``).
@@ -48,6 +61,13 @@ class ServeConfig:
         seed: the seed of ``dummy`` weights.
         extensions: modules of server extensions to load (`weightsync.server.extensions`),
             each adding routes and rank commands.
+        max_body_bytes: the largest request body the main server reads; larger ones are
+            answered 413.
+        max_bootstrap_body_bytes: the same for the bootstrap server, whose registrations
+            carry every parameter's address.
+        max_new_tokens_limit: the most tokens one ``/generate`` may ask for; ``None``: the
+            model's context length (``max_position_embeddings``), which also bounds prompt
+            plus new tokens.
 
     Raises:
         ValueError: a value out of range or not one of the choices.
@@ -62,7 +82,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     bootstrap_port: int = 6789
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     transport: str = "mooncake"
     mooncake_protocol: str = "tcp"
     weight_version: str = "default"
@@ -73,11 +93,20 @@ class ServeConfig:
     load_format: str = "safetensors"
     seed: int = 0
     extensions: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_bootstrap_body_bytes: int = DEFAULT_MAX_BOOTSTRAP_BODY_BYTES
+    max_new_tokens_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path must name a checkpoint folder")
-        for name in ("tp_size", "ep_size", "num_threads"):
+        for name in (
+            "tp_size",
+            "ep_size",
+            "num_threads",
+            "max_body_bytes",
+            "max_bootstrap_body_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -113,15 +142,37 @@ class ServeConfig:
                     f"{', '.join(SERVED_DTYPES)}); got {self.dtype!r}"
                 )
             object.__setattr__(self, "dtype", dtype)
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty; leave it out to disable auth")
+        if self.api_key is not None:
+            if not self.api_key.strip():
+                raise ValueError("api_key must not be empty; leave it out to disable auth")
+            if any(char.isspace() or not char.isprintable() for char in self.api_key):
+                raise ValueError(
+                    "api_key must not hold whitespace or control characters (it travels in "
+                    "an HTTP header); strip the key file or use another key"
+                )
         object.__setattr__(self, "extensions", tuple(self.extensions))
         if any(not isinstance(name, str) or not name for name in self.extensions):
             raise ValueError(f"extensions must be module names, got {self.extensions!r}")
+        if self.max_new_tokens_limit is not None and (
+            not isinstance(self.max_new_tokens_limit, int) or self.max_new_tokens_limit < 1
+        ):
+            raise ValueError(
+                "max_new_tokens_limit must be a positive int (or None for the model's context "
+                f"length), got {self.max_new_tokens_limit!r}"
+            )
         if self.collective_timeout_s <= 0:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
+
+    @property
+    def local_host(self) -> str:
+        """The address the replica's own processes meet at (the TP group's store and gloo
+        sockets): `host`, or loopback when `host` is a wildcard, since nothing outside the
+        replica connects there."""
+        if self.host in _WILDCARD_HOSTS:
+            return "::1" if self.host == "::" else "127.0.0.1"
+        return self.host
 
     def gpu_id(self, tp_rank: int) -> int:
         """The CUDA device index of TP rank `tp_rank` (``device="cuda"``)."""

@@ -5,7 +5,16 @@ It lives on rank 0's event loop and turns route calls into engine commands. Its 
 - paused (``pause_generation`` .. ``continue_generation``): new generation requests are
   refused (503); ``abort`` mode aborts the queued ones, the other modes hold them;
 - a weight-update session (``begin_weight_update`` .. ``end_weight_update``): generation is
-  refused (503) and queued requests are held, so no token comes from half-written weights;
+  refused (503) and queued requests are held, so no token comes from half-written weights.
+  A session begun with ``lease_s`` is a lease: its ``session_token`` must accompany the
+  session's version, renew and end calls, and when it is not renewed in time the replica
+  closes it itself;
+- incomplete weights: a session that ended without a complete update (its lease expired,
+  it ended without a version after bytes changed, the trainers' digests did not match what
+  arrived), bytes that changed outside any session, or ``reset_tensors``: the replica refuses
+  ``/generate`` (503) and ``continue_generation`` (400) until a complete update lands, and
+  ``/server_info`` says why. The replica decides this from its own parameters' digests
+  (`weightsync.receiver.digest`), trusting no client;
 - released memory (``release_memory_occupation`` .. ``resume_memory_occupation``): allowed
   only when paused or idle; generation is refused meanwhile. Parameters are never released:
   they are registered with the transfer engine and never move.
@@ -17,14 +26,22 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from weightsync import __version__
 from weightsync.control.models import GenerateRequest, GenerateResponse, WeightsCheckerRequest
-from weightsync.control.protocol import GET_WEIGHT_VERSION, PARALLELISM_CONFIG
+from weightsync.control.protocol import (
+    GET_WEIGHT_VERSION,
+    PARALLELISM_CONFIG,
+    WEIGHT_UPDATE_DIGEST,
+    WEIGHT_UPDATE_LEASE,
+)
 from weightsync.server.http import ControlError
+from weightsync.server.limits import GenerationBounds
 from weightsync.server.ranks.commands import (
     CONFLICT,
     INTERNAL,
@@ -45,12 +62,43 @@ from weightsync.server.scheduler import GenerationQueue
 logger = logging.getLogger(__name__)
 
 # What the reference server serves beyond SGLang 0.5.23, advertised in /server_info.
-CAPABILITIES = (PARALLELISM_CONFIG, GET_WEIGHT_VERSION)
+CAPABILITIES = (PARALLELISM_CONFIG, GET_WEIGHT_VERSION, WEIGHT_UPDATE_LEASE, WEIGHT_UPDATE_DIGEST)
 _STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}
 # Tags of SGLang's memory saver. Parameter memory is registered with the transfer engine and
 # must never move, so "weights" cannot be released here.
 _RELEASABLE_TAGS = frozenset({"kv_cache", "cuda_graph"})
 _KNOWN_TAGS = _RELEASABLE_TAGS | {"weights"}
+MAX_LEASE_S = 3600.0
+
+
+@dataclass(slots=True)
+class _Session:
+    """An open weight-update session: its holder's token (leased sessions), its deadline."""
+
+    selector: str
+    token: str | None
+    lease_s: float | None
+    deadline: float | None = None  # time.monotonic() when the lease expires
+    timer: asyncio.TimerHandle | None = None
+    versioned: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionGrant:
+    """What `ReplicaController.begin_weight_update` grants.
+
+    Attributes:
+        message: the reply's message.
+        token: the session token its holder sends with the session's calls (leased only).
+        lease_s: the lease, in seconds (leased only).
+        changed_outside: ``"tp rank r: name"`` of the parameters whose bytes changed since
+            the last session ended (written from outside any session).
+    """
+
+    message: str
+    token: str | None = None
+    lease_s: float | None = None
+    changed_outside: tuple[str, ...] = ()
 
 
 class ReplicaController:
@@ -62,14 +110,27 @@ class ReplicaController:
         driver: rank 0's engine thread, started and ready.
         info: the replica's static description.
         weight_version: the label of the weights the replica starts with.
+        bounds: how long a generation request may be; ``None``: the model's context length.
     """
 
-    def __init__(self, driver: EngineDriver, *, info: ReplicaInfo, weight_version: str) -> None:
+    def __init__(
+        self,
+        driver: EngineDriver,
+        *,
+        info: ReplicaInfo,
+        weight_version: str,
+        bounds: GenerationBounds | None = None,
+    ) -> None:
         self._driver = driver
         self.info = info
+        self._bounds = bounds or GenerationBounds.of_model(info.hf_config)
         self._weight_version = weight_version
         self._paused_mode: str | None = None
         self._session = "closed"  # closed | opening | open | closing
+        self._lease: _Session | None = None
+        self._incomplete: str | None = None  # why the weights are not a complete update
+        self._verified = False  # the last complete update's digests were verified
+        self._digest_s = 0.0  # seconds the last session's digests took (slowest rank)
         self._released: set[str] = set()
         self._stopping = False
         self._queue = GenerationQueue(
@@ -102,12 +163,16 @@ class ReplicaController:
 
         Raises:
             ControlError: 503 while paused, in a weight-update session, with memory released
-                or shutting down; 400 for bad input; 500 if a rank failed.
+                or shutting down; 400 for bad input (more tokens than the bounds allow);
+                500 if a rank failed.
         """
         refusal = self.generation_refusal()
         if refusal is not None:
             raise ControlError(f"generation refused: {refusal}", status_code=503)
         params = request.sampling_params
+        self._bounds.check(
+            num_prompt_tokens=len(request.input_ids), max_new_tokens=params.max_new_tokens
+        )
         seed = params.sampling_seed
         if seed is None and params.temperature > 0:
             # Every rank must sample with the same seed; rank 0 draws it for all.
@@ -137,7 +202,25 @@ class ReplicaController:
         return message
 
     async def continue_generation(self, torch_empty_cache: bool) -> str:
-        """Serve requests again (``torch_empty_cache``: return cached device memory first)."""
+        """Serve requests again (``torch_empty_cache``: return cached device memory first).
+
+        Raises:
+            ControlError: 400 while a weight-update session is open (its holder ends it
+                first) or the weights are incomplete (a complete update must land first).
+        """
+        if self._session != "closed":
+            raise ControlError(
+                f"continue_generation refused: a weight-update session is {self._session}; "
+                "serving now would use half-written weights. The session's holder ends it "
+                "with end_weight_update (a leased session also ends when its lease expires)",
+                status_code=400,
+            )
+        if self._incomplete is not None:
+            raise ControlError(
+                f"continue_generation refused: the weights are incomplete ({self._incomplete});"
+                " the replica serves again once a complete weight update lands",
+                status_code=400,
+            )
         if torch_empty_cache:
             await self._run(FlushCache(empty_device_cache=True))
         self._paused_mode = None
@@ -199,11 +282,18 @@ class ReplicaController:
         await self._run(FlushCache(empty_device_cache=False))
         return "Cache flushed."
 
-    async def begin_weight_update(self, selector: str) -> str:
+    async def begin_weight_update(
+        self, selector: str, *, lease_s: float | None = None
+    ) -> SessionGrant:
         """Open a weight-update session on every rank; generation stops until it ends.
 
+        With `lease_s` the session is a lease held by whoever gets the returned token: its
+        other calls must carry the token, and unless renewed within `lease_s` the replica
+        closes it itself (leaving the weights incomplete if anything changed).
+
         Raises:
-            ControlError: 400 when a session is already open or `selector` is ``draft``.
+            ControlError: 400 when a session is already open, `selector` is ``draft`` or
+                the lease is out of range.
         """
         if self._session != "closed":
             raise ControlError(
@@ -211,22 +301,77 @@ class ReplicaController:
                 "end_weight_update before beginning another",
                 status_code=400,
             )
+        _check_lease(lease_s)
         self._session = "opening"
         try:
-            await self._run(BeginUpdate(selector=selector))
+            checks = await self._run(BeginUpdate(selector=selector))
         except BaseException:
             self._session = "closed"
             await self._queue.notify()
             raise
+        self._digest_s = max(c.seconds for c in checks)
+        changed = _by_rank(checks, "changed")
+        if changed:
+            self._mark_incomplete(
+                f"parameters changed outside a weight-update session ({_names(changed)}): "
+                "bytes were written into the replica without a session"
+            )
+        token = secrets.token_urlsafe(24) if lease_s is not None else None
+        session = self._lease = _Session(selector=selector, token=token, lease_s=lease_s)
         self._session = "open"
-        logger.info("weight-update session opened (selector=%s)", selector)
-        return f"Weight update session begun (selector={selector})"
+        if lease_s is not None:
+            self._arm(session, lease_s)
+        logger.info(
+            "weight-update session opened (selector=%s%s)",
+            selector,
+            f", lease {lease_s:g} s" if lease_s is not None else "",
+        )
+        return SessionGrant(
+            message=f"Weight update session begun (selector={selector})",
+            token=token,
+            lease_s=lease_s,
+            changed_outside=tuple(
+                f"tp rank {rank}: {name}" for rank, names in changed.items() for name in names
+            ),
+        )
 
-    async def end_weight_update(self) -> str:
-        """Run post-load processing and close the session; generation may resume.
+    async def renew_weight_update(self, token: str | None, lease_s: float) -> float:
+        """Extend the open session's lease by `lease_s` from now; returns the lease.
 
         Raises:
-            ControlError: 400 when no session is open.
+            ControlError: 400 when no leased session is open, for another holder's token or
+                a lease out of range.
+        """
+        _check_lease(lease_s)
+        session = self._holder(token, "renew_weight_update")
+        if session.token is None:
+            raise ControlError(
+                "the open weight-update session has no lease (it was begun without lease_s)",
+                status_code=400,
+            )
+        self._arm(session, lease_s)
+        return lease_s
+
+    async def end_weight_update(
+        self,
+        *,
+        token: str | None = None,
+        digests: Mapping[int, Mapping[str, int]] | None = None,
+    ) -> str:
+        """Verify what arrived, run post-load processing and close the session.
+
+        Args:
+            token: the session token (required for a leased session).
+            digests: per tp rank, ``{param_name: digest}`` of what the trainers wrote; every
+                rank's digests must be given and match, or the update is incomplete.
+
+        Returns:
+            The reply's message (with a failed verification the error says what differs).
+
+        Raises:
+            ControlError: 400 when no session is open, for another holder's token, or when
+                the digests do not match what arrived (the session is closed and the
+                weights are incomplete).
         """
         if self._session != "open":
             raise ControlError(
@@ -234,23 +379,143 @@ class ReplicaController:
                 "begin_weight_update first",
                 status_code=400,
             )
-        self._session = "closing"
-        try:
-            await self._run(EndUpdate())
-        finally:
-            self._session = "closed"
-            await self._queue.notify()
+        session = self._holder(token, "end_weight_update")
+        expected: tuple[dict[str, int] | None, ...] = ()
+        if digests is not None:
+            num_ranks = self.info.num_ranks
+            unknown = sorted(set(digests) - set(range(num_ranks)))
+            if unknown:
+                raise ControlError(
+                    f"digests for tp ranks {unknown}: this replica has ranks 0..{num_ranks - 1}",
+                    status_code=400,
+                )
+            expected = tuple(dict(digests[r]) if r in digests else {} for r in range(num_ranks))
+        problem = await self._close(session, expected, reason="end_weight_update")
+        if problem is not None:
+            raise ControlError(problem, status_code=400)
         logger.info("weight-update session ended (weight version %s)", self._weight_version)
         return "Weight update session ended"
 
-    async def update_weight_version(self, new_version: str, abort_all_requests: bool) -> str:
-        """Label the weights every rank holds (and abort queued requests if asked)."""
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool, *, token: str | None = None
+    ) -> str:
+        """Label the weights every rank holds (and abort queued requests if asked).
+
+        Inside a leased session only its holder may; outside a session, not while the
+        weights are incomplete (the label would name weights nobody verified).
+
+        Raises:
+            ControlError: 400 for another holder's token or incomplete weights.
+        """
+        if self._session != "closed":
+            self._holder(token, "update_weight_version").versioned = True
+        elif self._incomplete is not None:
+            raise ControlError(
+                f"update_weight_version refused: the weights are incomplete "
+                f"({self._incomplete}); label them in the session of a complete update",
+                status_code=400,
+            )
         if abort_all_requests:
             await self.abort_request("", abort_all=True)
         await self._run(SetWeightVersion(version=new_version))
         self._weight_version = new_version
         logger.info("weight version is now %s", new_version)
         return f"Weight version updated to {new_version}"
+
+    def _holder(self, token: str | None, route: str) -> _Session:
+        """The open session, if `token` may act on it."""
+        session = self._lease
+        if self._session != "open" or session is None:
+            raise ControlError(
+                f"{route}: no weight-update session is open (session {self._session})",
+                status_code=400,
+            )
+        if session.token is not None and (
+            token is None or not secrets.compare_digest(token.encode(), session.token.encode())
+        ):
+            raise ControlError(
+                f"{route} refused: the open weight-update session is held by another client "
+                "(its calls carry the session_token begin_weight_update returned); wait for "
+                "it to end or for its lease to expire",
+                status_code=400,
+            )
+        return session
+
+    def _arm(self, session: _Session, lease_s: float) -> None:
+        """(Re)start `session`'s lease timer."""
+        if session.timer is not None:
+            session.timer.cancel()
+        loop = asyncio.get_running_loop()
+        session.deadline = time.monotonic() + lease_s
+        session.timer = loop.call_later(lease_s, lambda: loop.create_task(self._expire(session)))
+
+    async def _expire(self, session: _Session) -> None:
+        if self._lease is not session or self._session != "open":
+            return
+        logger.error(
+            "the lease of the weight-update session expired (%g s without a renewal: its "
+            "holder is gone or stuck); closing it",
+            session.lease_s,
+        )
+        await self._close(session, (), reason=f"its lease expired after {session.lease_s:g} s")
+
+    async def _close(
+        self,
+        session: _Session,
+        expected: tuple[dict[str, int] | None, ...],
+        *,
+        reason: str,
+    ) -> str | None:
+        """Close `session` on every rank and decide what the weights now are; returns the
+        problem found (None when the update is complete or nothing changed)."""
+        if session.timer is not None:
+            session.timer.cancel()
+        self._session = "closing"
+        try:
+            checks = await self._run(EndUpdate(expected=expected))
+        except BaseException:
+            self._mark_incomplete(f"end of the weight-update session failed ({reason})")
+            raise
+        finally:
+            self._session = "closed"
+            self._lease = None
+            await self._queue.notify()
+        self._digest_s += max(c.seconds for c in checks)
+        changed = _by_rank(checks, "changed")
+        problem: str | None = None
+        if expected:
+            mismatched = _by_rank(checks, "mismatched")
+            if mismatched:
+                problem = (
+                    f"the weights that arrived differ from what the trainers wrote: "
+                    f"{_names(mismatched)} (digest mismatch; bytes missing, misplaced or "
+                    "written from outside the session)"
+                )
+            else:
+                self._complete(verified=True)
+        elif session.versioned and reason == "end_weight_update":
+            self._complete(verified=False)
+        elif changed:
+            problem = (
+                f"the weight-update session ended ({reason}) without a complete update after "
+                f"writing {_names(changed)}"
+            )
+        if problem is not None:
+            self._mark_incomplete(problem)
+        return problem
+
+    def _complete(self, *, verified: bool) -> None:
+        if self._incomplete is not None:
+            logger.info("a complete weight update landed; the weights are complete again")
+        self._incomplete = None
+        self._verified = verified
+
+    def _mark_incomplete(self, reason: str) -> None:
+        logger.error(
+            "weights incomplete: %s; generation is refused until a complete update", reason
+        )
+        self._incomplete = reason
+        self._verified = False
 
     async def weights_checker(
         self, request: WeightsCheckerRequest
@@ -268,6 +533,14 @@ class ReplicaController:
         """
         if request.selector == "draft":
             raise ControlError("this server has no draft model", status_code=400)
+        if request.action == "reset_tensors":
+            if self._session == "closed" and self._paused_mode is None:
+                raise ControlError(
+                    "reset_tensors refused: it randomises the weights a serving replica "
+                    "answers with; pause_generation (or begin_weight_update) first",
+                    status_code=400,
+                )
+            self._mark_incomplete("weights_checker reset_tensors randomised the weights")
         results = await self._run(
             CheckWeights(
                 action=request.action,
@@ -323,7 +596,16 @@ class ReplicaController:
             **self.info.server_args(),
             "status": "ready",
             "weight_version": self._weight_version,
-            "weightsync": {"version": __version__, "capabilities": list(CAPABILITIES)},
+            "weightsync": {
+                "version": __version__,
+                "capabilities": list(CAPABILITIES),
+                "weights": {
+                    "complete": self._incomplete is None,
+                    "incomplete_reason": self._incomplete,
+                    "verified": self._verified,
+                },
+                "session": self._session_state(),
+            },
             "state": {
                 "paused": self._paused_mode is not None,
                 "pause_mode": self._paused_mode,
@@ -333,6 +615,22 @@ class ReplicaController:
                 "num_queued_requests": self._queue.num_queued,
                 "engine_command": self._driver.current_command,
             },
+        }
+
+    def _session_state(self) -> dict[str, Any]:
+        session = self._lease
+        if session is None:
+            return {"state": self._session, "leased": False, "last_digest_s": self._digest_s}
+        remaining = (
+            max(0.0, session.deadline - time.monotonic()) if session.deadline is not None else None
+        )
+        return {
+            "state": self._session,
+            "leased": session.token is not None,
+            "lease_s": session.lease_s,
+            "expires_in_s": remaining,
+            "versioned": session.versioned,
+            "last_digest_s": self._digest_s,
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -351,6 +649,11 @@ class ReplicaController:
         down), or ``None``."""
         if self._stopping or self._driver.stopped:
             return "the server is shutting down"
+        if self._incomplete is not None:
+            return (
+                f"the weights are incomplete ({self._incomplete}); the replica serves again "
+                "once a complete weight update lands"
+            )
         if self._session != "closed":
             return "a weight-update session is open; generation resumes after end_weight_update"
         if self._paused_mode is not None:
@@ -368,7 +671,10 @@ class ReplicaController:
         try:
             replies = await asyncio.wrap_future(self._driver.submit(command))
         except EngineStoppedError as exc:
-            raise ControlError(f"the engine is not running: {exc}", status_code=503) from exc
+            logger.error("the engine is not running: %s", exc)
+            raise ControlError(
+                "the engine is not running (a rank stopped); see the server log", status_code=503
+            ) from exc
         failed = [r for r in replies if not r.ok]
         if not failed:
             return [r.value for r in replies]
@@ -377,6 +683,26 @@ class ReplicaController:
         else:
             message = "; ".join(f"tp rank {r.tp_rank}: {r.error}" for r in failed)
         raise ControlError(message, status_code=_STATUS_OF_KIND.get(failed[0].error_kind, 500))
+
+
+def _check_lease(lease_s: float | None) -> None:
+    if lease_s is not None and not (0 < lease_s <= MAX_LEASE_S):
+        raise ControlError(
+            f"lease_s must be in (0, {MAX_LEASE_S:g}] seconds, got {lease_s!r}", status_code=400
+        )
+
+
+def _by_rank(checks: Sequence[Any], field: str) -> dict[int, tuple[str, ...]]:
+    """``{tp_rank: names}`` of the ranks whose `SessionCheck` lists names in `field`."""
+    return {rank: getattr(c, field) for rank, c in enumerate(checks) if getattr(c, field)}
+
+
+def _names(by_rank: Mapping[int, Sequence[str]]) -> str:
+    parts = []
+    for rank, names in sorted(by_rank.items()):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        parts.append(f"tp rank {rank}: {len(names)} parameter(s) ({shown})")
+    return "; ".join(parts)
 
 
 def _tags(tags: Sequence[str] | None, *, default: frozenset[str]) -> set[str]:

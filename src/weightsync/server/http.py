@@ -1,18 +1,27 @@
-"""HTTP plumbing both reference servers share: refusals as errors, bearer-key auth."""
+"""HTTP plumbing both reference servers share: refusals as errors, bearer-key auth, and the
+bounds every request meets (body size, finite numbers, no internal detail in a reply)."""
 
 # No `from __future__ import annotations` here: FastAPI must see the dependency's real
 # annotation, which refers to a local variable.
+import contextlib
+import json
+import logging
+import math
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Security
+from fastapi import FastAPI, Request, Response, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weightsync.control.models import ErrorResponse, SuccessResponse
 from weightsync.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
 
 
 class ControlError(WeightSyncError):
@@ -37,12 +46,28 @@ def error_response(message: str, status_code: int) -> JSONResponse:
 
 
 def install_error_handler(app: FastAPI) -> None:
-    """Answer every `ControlError` a route raises with its status and message, and a body that
-    does not parse as SGLang does: 400 ``{"object": "error", "message", "type": "Bad
-    Request", "param": null, "code": 400}``."""
+    """Answer every refusal and failure of `app`'s routes with a clear error, never with
+    internal detail. Call it before adding routes (it sets the routes' class).
 
-    async def handle(_: Request, exc: Exception) -> JSONResponse:
+    - a `ControlError` gets its status and ``{"error": {"message": ...}}``; a 500 (a rank
+      failed) says only which route failed, its message goes to the server log;
+    - a body that does not parse, as SGLang answers: 400 ``{"object": "error", "message",
+      "type": "Bad Request", "param": null, "code": 400}``; so does a JSON body holding a
+      number that is not finite anywhere (``NaN``, ``Infinity``, ``1e309``), naming it;
+    - any other exception: 500 ``{"error": {"message": "internal error in <route>:
+      <ExceptionType>; see the server log"}}``, its traceback logged.
+    """
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ControlError)
+        if exc.status_code == 500:
+            # Rank failures carry the raw text of what failed (torch, the allocator); the
+            # log keeps it, the reply does not.
+            route = _route(request.scope)
+            logger.error("internal error in %s: %s", route, exc)
+            return error_response(
+                f"internal error in {route}: the engine failed; see the server log", 500
+            )
         return error_response(str(exc), exc.status_code)
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
@@ -63,8 +88,237 @@ def install_error_handler(app: FastAPI) -> None:
             status_code=400,
         )
 
+    app.router.route_class = FiniteJsonRoute
     app.add_exception_handler(ControlError, handle)
     app.add_exception_handler(RequestValidationError, invalid)
+    app.add_middleware(InternalErrorGuard)
+
+
+def _route(scope: Scope) -> str:
+    return f"{scope.get('method', '')} {scope.get('path', '')}".strip()
+
+
+class InternalErrorGuard:
+    """Pure ASGI middleware: an exception no handler answered becomes a 500
+    ``{"error": {"message": "internal error in <route>: <ExceptionType>; see the server
+    log"}}``, and its traceback goes to the log, not to the client.
+
+    Args:
+        app: the ASGI app to guard.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; answer what escapes it."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except BodyTooLargeError:
+            raise  # answered by BodySizeLimit, further out
+        except Exception as exc:
+            route = _route(scope)
+            logger.exception("internal error in %s", route)
+            if started:
+                return  # the reply is under way; the server closes the connection
+            message = f"internal error in {route}: {type(exc).__name__}; see the server log"
+            await error_response(message, 500)(scope, receive, send)
+
+
+class BodyTooLargeError(WeightSyncError):
+    """A request body passed the server's limit (raised into the app while it reads)."""
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: refuse request bodies larger than `max_body_bytes` with 413
+    ``{"error": {"message": ...}}``, naming the limit and `setting`.
+
+    A declared ``Content-Length`` over the limit is refused before the app runs; the bytes
+    of a body without one (chunked) are counted as the app reads them, and the request is
+    refused as soon as they pass the limit, so no route ever holds more than the limit.
+
+    Args:
+        app: the ASGI app to guard.
+        max_body_bytes: the largest body accepted, in bytes.
+        setting: how an operator raises the limit (named in the reply).
+    """
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, setting: str) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.setting = setting
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app with the body's size bounded."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._refuse(scope, receive, send, f"declares {declared} bytes, over")
+            return
+        num_bytes = 0
+        started = refused = False
+
+        async def receive_counted() -> Message:
+            nonlocal num_bytes, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > self.max_body_bytes:
+                    if not started:
+                        refused = True
+                        await self._refuse(scope, receive, send, "passed")
+                    raise BodyTooLargeError(
+                        f"request body of {_route(scope)} passed {self.max_body_bytes} bytes"
+                    )
+            return message
+
+        async def send_unless_refused(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out; what the app answers to the abort is dropped
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive_counted, send_unless_refused)
+        except BodyTooLargeError:
+            if not refused:
+                raise
+        except Exception:
+            if not refused:
+                raise
+            logger.debug("%s after its oversized body was refused", _route(scope), exc_info=True)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
+        limit = f"{self.max_body_bytes} bytes"
+        if self.max_body_bytes >= 1 << 20:
+            limit += f" ({self.max_body_bytes / (1 << 20):g} MiB)"
+        message = (
+            f"request body too large: the body of {_route(scope)} {what} this server's limit "
+            f"of {limit}; send less, or raise the limit with {self.setting}"
+        )
+        logger.warning("%s", message)
+        await error_response(message, 413)(scope, receive, send)
+
+
+def limit_body_size(app: FastAPI, max_body_bytes: int, *, setting: str) -> None:
+    """Refuse request bodies over `max_body_bytes` on every route of `app` (`BodySizeLimit`);
+    `setting` tells the operator how to raise the limit."""
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, setting=setting)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server itself refuses a malformed length
+    return None
+
+
+class FiniteJsonRoute(APIRoute):
+    """A route whose JSON body is refused (400, naming the field) when it holds a number
+    that is not finite: ``NaN``, ``Infinity``, or a literal beyond the float range such as
+    ``1e309``, which JSON parsers turn into infinity. The body is parsed once."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        """The route's handler, checking the body first."""
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            request = _FiniteJsonRequest(request.scope, request.receive)
+            if _is_json(request.headers.get("content-type")):
+                # A body that is not JSON is left to the route's own parsing (400).
+                with contextlib.suppress(ValueError, RecursionError):
+                    await request.json()
+            return await handler(request)
+
+        return handle
+
+
+class _FiniteJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_finite_json"):
+            self._finite_json = loads_finite(await self.body())
+        return self._finite_json
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
+
+
+def loads_finite(body: bytes | str) -> Any:
+    """Parse a JSON body, refusing numbers that are not finite.
+
+    Raises:
+        RequestValidationError: a ``NaN``, ``Infinity`` or overflowing number; its location
+            is the path to it (``body.sampling_params.temperature``).
+        ValueError: the body is not JSON (`json.JSONDecodeError`).
+    """
+    seen = False
+
+    def constant(name: str) -> float:
+        nonlocal seen
+        seen = True
+        return float(name.replace("Infinity", "inf"))
+
+    def number(text: str) -> float:
+        nonlocal seen
+        value = float(text)
+        seen |= not math.isfinite(value)
+        return value
+
+    value = json.loads(body, parse_constant=constant, parse_float=number)
+    if seen:
+        path, bad = _first_non_finite(value)
+        raise RequestValidationError(
+            [
+                {
+                    "type": "finite_number",
+                    "loc": ("body", *path),
+                    "msg": (
+                        f"must be a finite number, got {bad} (NaN, Infinity and numbers "
+                        "beyond the float range, such as 1e309, are refused)"
+                    ),
+                    "input": None,
+                }
+            ]
+        )
+    return value
+
+
+def _first_non_finite(value: Any) -> tuple[tuple[Any, ...], float]:
+    # Iterative: a deeply nested body must not exhaust the stack.
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return path, item
+        if isinstance(item, dict):
+            stack.extend(((*path, key), child) for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend(
+                ((*path, index), child) for index, child in reversed(list(enumerate(item)))
+            )
+    raise AssertionError("a non-finite number was parsed but not found")
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
@@ -74,14 +328,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 
 def bearer_auth(api_key: str | None) -> Callable[..., Awaitable[None]]:
     """A dependency that requires ``Authorization: Bearer <api_key>`` (none when `api_key`
-    is ``None``); put it on every state-changing route.
+    is ``None``); put it on every route that changes state or reveals addresses.
 
     Raises (from the dependency):
         ControlError: 401 when the header is missing or holds another key.
     """
     scheme = HTTPBearer(
         auto_error=False,
-        description="The server's --api-key; required by every POST/PUT route when set.",
+        description="The server's API key (--api-key-file or $WEIGHTSYNC_API_KEY); required "
+        "by every route but /health and /ready when set.",
     )
 
     async def require_api_key(
@@ -92,7 +347,7 @@ def bearer_auth(api_key: str | None) -> Callable[..., Awaitable[None]]:
         if credentials is None:
             raise ControlError(
                 "this route needs 'Authorization: Bearer <api key>' (the server was started "
-                "with --api-key)",
+                "with an API key)",
                 status_code=401,
             )
         if not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):

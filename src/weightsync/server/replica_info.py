@@ -31,6 +31,11 @@ class ReplicaInfo:
         self._port = port
         self._bootstrap_port = bootstrap_port
 
+    @property
+    def num_ranks(self) -> int:
+        """How many TP ranks the replica has."""
+        return len(self._ranks)
+
     def server_args(self) -> dict[str, Any]:
         """The ``/server_info`` fields that describe how the server runs."""
         config = self._config
@@ -76,6 +81,7 @@ class ReplicaInfo:
         return {
             "rank": rank,
             "remote_instance_transfer_engine_info": [info.session_id, info.weights_info],
+            "registered_regions": info.regions,
         }
 
     def parallelism_config(self, rank: int) -> dict[str, int]:

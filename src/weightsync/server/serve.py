@@ -4,6 +4,9 @@ Start-up, in order: bind both ports (0 picks a free one); start the bootstrap se
 the TP rendezvous store and ranks 1..N-1; in the engine thread, join the process group, load
 the model, register its memory, publish to the bootstrap server and collect every rank's
 info; then start the main server, print where it listens and write the ready file.
+Every socket the replica listens on is bound to the configured host (the rendezvous store and
+gloo to `ServeConfig.local_host`), except Mooncake's, which listen on every interface (see
+`ServeConfig`).
 Shut-down: stop the main server, tell every rank to close its transport and exit, stop the
 bootstrap server; a rank that does not exit in time is killed.
 """
@@ -21,21 +24,24 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 import uvicorn
 from fastapi import FastAPI
 
+from weightsync.checkpoint import load_config_dict
 from weightsync.server.app import create_main_app
 from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 from weightsync.server.config import ServeConfig
 from weightsync.server.controller import ReplicaController
 from weightsync.server.extensions import load_extensions
+from weightsync.server.http import limit_body_size
+from weightsync.server.limits import GenerationBounds
 from weightsync.server.logs import configure_logging
 from weightsync.server.ranks.children import RankProcesses
 from weightsync.server.ranks.commands import Shutdown
 from weightsync.server.ranks.driver import EngineDriver
-from weightsync.server.ranks.follower import STORE_HOST
 from weightsync.server.replica_info import ReplicaInfo
 
 logger = logging.getLogger(__name__)
@@ -57,14 +63,20 @@ def serve(config: ServeConfig) -> int:
 
     Raises:
         OSError: a port cannot be bound.
+        ValueError: the model's config.json is missing, or has no context length
+            (``max_position_embeddings``).
     """
     configure_logging(config.log_level, tp_rank=0)
     torch.set_num_threads(config.num_threads)
+    bounds = GenerationBounds.of_model(
+        load_config_dict(config.model_path), max_new_tokens_limit=config.max_new_tokens_limit
+    )
+    _pin_group_sockets(config)
     main_sock = _bind(config.host, config.port)
     boot_sock = _bind(config.host, config.bootstrap_port)
     # The bootstrap socket listens at once: ranks may publish before uvicorn accepts.
     boot_sock.listen(128)
-    replica = _Replica(config, main_sock=main_sock, boot_sock=boot_sock)
+    replica = _Replica(config, bounds=bounds, main_sock=main_sock, boot_sock=boot_sock)
     try:
         code = asyncio.run(replica.run())
     finally:
@@ -80,8 +92,16 @@ def serve(config: ServeConfig) -> int:
 
 
 class _Replica:
-    def __init__(self, config: ServeConfig, *, main_sock: socket.socket, boot_sock: socket.socket):
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        bounds: GenerationBounds,
+        main_sock: socket.socket,
+        boot_sock: socket.socket,
+    ):
         self.config = config
+        self.bounds = bounds
         self.main_sock = main_sock
         self.boot_sock = boot_sock
         self.host = _url_host(config.host)
@@ -110,18 +130,17 @@ class _Replica:
             loop.add_signal_handler(sig, self.request_stop, f"received {signal.Signals(sig).name}")
         bootstrap_url = f"http://{self.host}:{self.bootstrap_port}"
         registry = BootstrapRegistry()
-        boot_server = _server(create_bootstrap_app(registry, api_key=self.config.api_key))
+        boot_server = _server(
+            create_bootstrap_app(
+                registry,
+                api_key=self.config.api_key,
+                max_body_bytes=self.config.max_bootstrap_body_bytes,
+            )
+        )
         boot_task = asyncio.create_task(boot_server.serve(sockets=[self.boot_sock]))
         logger.info("bootstrap server on %s", bootstrap_url)
 
-        store = dist.TCPStore(
-            STORE_HOST,
-            0,
-            self.config.tp_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.config.collective_timeout_s),
-        )
+        store = _rendezvous_store(self.config)
         children = RankProcesses(self.config, store_port=store.port, bootstrap_url=bootstrap_url)
         children.start()
         watchers = [
@@ -149,13 +168,19 @@ class _Replica:
                 bootstrap_port=self.bootstrap_port,
             )
             controller = ReplicaController(
-                self.driver, info=info, weight_version=self.config.weight_version
+                self.driver,
+                info=info,
+                weight_version=self.config.weight_version,
+                bounds=self.bounds,
             )
             controller.start()
             app = create_main_app(
                 controller,
                 api_key=self.config.api_key,
                 extensions=load_extensions(self.config.extensions),
+            )
+            limit_body_size(
+                app, self.config.max_body_bytes, setting="weightsync serve --max-body-bytes"
             )
             main_server = _server(app)
             self.main_sock.listen(128)
@@ -242,6 +267,67 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(exc.errno, f"cannot bind {host}:{port}: {exc.strerror}") from exc
     return sock
+
+
+def _rendezvous_store(config: ServeConfig) -> dist.TCPStore:
+    """Rank 0's TCP store, listening on `config.local_host` only.
+
+    Given a host, torch's TCPStore still listens on every interface; handed a socket that is
+    already bound and listening, it serves on that one.
+    """
+    sock = _bind(config.local_host, 0)
+    sock.listen(max(128, config.tp_size))
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the socket from here on
+    try:
+        return dist.TCPStore(
+            config.local_host,
+            port,
+            config.tp_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=config.collective_timeout_s),
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _pin_group_sockets(config: ServeConfig) -> None:
+    """Make gloo, in rank 0 and in the ranks it starts, listen on the interface that holds
+    `config.local_host` (gloo takes an interface name, from ``GLOO_SOCKET_IFNAME``; without
+    one it binds the address the machine's hostname resolves to). A ``GLOO_SOCKET_IFNAME``
+    already set is left as it is."""
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        interface = _interface_of(config.local_host)
+        if interface is None:
+            logger.warning(
+                "no network interface holds %s; gloo (the TP group's collectives) listens on "
+                "the interface of this machine's hostname. Set GLOO_SOCKET_IFNAME to choose",
+                config.local_host,
+            )
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    if config.device == "cuda" and not os.environ.get("NCCL_SOCKET_IFNAME"):
+        logger.warning(
+            "NCCL's bootstrap listens on the interface NCCL picks; set NCCL_SOCKET_IFNAME "
+            "(e.g. '=lo' on one machine) to keep it on %s",
+            config.local_host,
+        )
+
+
+def _interface_of(host: str) -> str | None:
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return None
+    for interface, entries in psutil.net_if_addrs().items():
+        for entry in entries:
+            if entry.address.split("%", 1)[0] in addresses:
+                return interface
+    return None
 
 
 def _url_host(host: str) -> str:

@@ -7,6 +7,12 @@ Each replica runs in its own process group (rank 0 and its TP ranks), binds free
 (``--port 0 --bootstrap-port 0``) and reports them through ``--ready-file``; the helper waits
 until ``/health`` answers, with a deadline, and on teardown sends SIGTERM to the whole
 group, then SIGKILL to whatever is left.
+
+The API key reaches a replica through its environment (``$WEIGHTSYNC_API_KEY``), never its
+command line, which every user of the machine can read. A replica stops (as on SIGTERM) when
+the thread that started it dies (``$WEIGHTSYNC_PARENT_PID``, `weightsync.server.lifetime`),
+so a launcher killed with SIGKILL leaves none behind: start replicas from a thread that
+outlives them, such as the main thread.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from weightsync.server.lifetime import PARENT_PID_ENV
+
+API_KEY_ENV = "WEIGHTSYNC_API_KEY"
 
 READY_TIMEOUT_S = 180.0
 
@@ -79,7 +89,7 @@ def start_replicas(
         tp: tensor-parallel size of each replica (one process per rank).
         ep: expert-parallel size (MoE models).
         log_dir: where each replica's log and ready file go.
-        api_key: the replicas' API key, or None for none.
+        api_key: the replicas' API key (passed in their environment), or None for none.
         dtype: parameter dtype (``bf16``, ``fp16``, ``fp32``), or None for the checkpoint's.
         device: ``cpu`` or ``cuda``.
         extra_args: more `weightsync serve` options.
@@ -91,6 +101,10 @@ def start_replicas(
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    env[PARENT_PID_ENV] = str(os.getpid())
+    if api_key:
+        env[API_KEY_ENV] = api_key
     launched: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
     try:
         for index in range(num_replicas):
@@ -102,12 +116,11 @@ def start_replicas(
                 "--model", str(model_path), "--tp", str(tp), "--ep", str(ep), "--device", device,
                 "--port", "0", "--bootstrap-port", "0", "--ready-file", str(ready_file),
                 *(["--dtype", dtype] if dtype else []),
-                *(["--api-key", api_key] if api_key else []),
                 *extra_args,
             ]  # fmt: skip
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
                 )
             launched.append((process, ready_file, log_path))
         deadline = time.monotonic() + ready_timeout_s

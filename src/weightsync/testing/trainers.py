@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("p2p", "baseline")
+METHODS = ("p2p", "p2p-nodigest", "baseline")
+"""The syncs a bench can time: weightsync (``p2p``), the same without the senders' digests
+(``p2p-nodigest``: what verification costs the trainer side), the broadcast baseline."""
 _RESULT_TIMEOUT_S = 1800.0
 
 
@@ -69,7 +71,7 @@ class TrainerSpec:
 
 
 def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) -> None:
-    """Run a ``weights_checker`` action on every replica at once.
+    """Run a ``weights_checker`` action (or ``pause_generation``) on every replica at once.
 
     Raises:
         RemoteReplicaError: it failed on a replica (``compare``: a parameter differs from the
@@ -77,10 +79,15 @@ def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) 
     """
     from weightsync.control import RolloutClient
 
+    def call(client: RolloutClient) -> Any:
+        if action == "pause_generation":
+            return client.pause_generation()
+        return client.weights_checker(action)
+
     async def run() -> None:
         clients = [RolloutClient(url, api_key=api_key, timeout_s=600.0) for url in urls]
         try:
-            await asyncio.gather(*(c.weights_checker(action) for c in clients))
+            await asyncio.gather(*(call(c) for c in clients))
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
 
@@ -93,7 +100,9 @@ def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
     from weightsync.manager import SyncManager
 
     syncs: dict[str, Any] = {}
-    if "p2p" in spec.methods:
+    for method in ("p2p", "p2p-nodigest"):
+        if method not in spec.methods:
+            continue
         transport: ws.MooncakeConfig | ws.CudaIpcConfig = ws.MooncakeConfig(
             protocol="tcp", timeout_s=spec.timeout_s
         )
@@ -104,11 +113,12 @@ def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
                 bucket_bytes=spec.bucket_bytes,
                 num_workers=spec.num_workers,
                 timeout_s=spec.timeout_s,
+                digest=method == "p2p",
             ),
             control=ws.ControlConfig(api_key=spec.api_key, http_timeout_s=600.0),
             transport=transport,
         )
-        syncs["p2p"] = ws.TrainerSync(
+        syncs[method] = ws.TrainerSync(
             config,
             hf_config=spec.config,
             group=group,
@@ -169,6 +179,8 @@ def trainer_main(
         results.put({"kind": "ready", "rank": rank, "generate_s": generate_s})
         while (command := commands.get())["kind"] != "stop":
             if rank == 0:
+                # Corrupting weights is for paused replicas; the sync resumes them.
+                check_weights(spec.urls, "pause_generation", spec.api_key)
                 check_weights(spec.urls, "snapshot", spec.api_key)
                 check_weights(spec.urls, "reset_tensors", spec.api_key)
             start = time.perf_counter()
@@ -178,7 +190,12 @@ def trainer_main(
             if rank == 0:
                 # Raises (and so fails the run) unless every parameter equals the snapshot.
                 check_weights(spec.urls, "compare", spec.api_key)
-                event.update(report=report.to_dict(), wall_s=wall_s, bit_exact=True)
+                event.update(
+                    report=report.to_dict(),
+                    wall_s=wall_s,
+                    bit_exact=True,
+                    replica_digest_s=replica_digest_seconds(spec.urls, spec.api_key),
+                )
             results.put(event)
     except BaseException as exc:
         results.put(
@@ -191,6 +208,25 @@ def trainer_main(
             except Exception:
                 traceback.print_exc()
         results.put({"kind": "exit", "rank": rank})
+
+
+def replica_digest_seconds(urls: Sequence[str], api_key: str | None = None) -> float:
+    """The slowest replica's digest seconds in its last session (what verification costs
+    the replica side)."""
+    from weightsync.control import RolloutClient
+
+    async def run() -> float:
+        clients = [RolloutClient(url, api_key=api_key, timeout_s=60.0) for url in urls]
+        try:
+            infos = await asyncio.gather(*(c.get_server_info() for c in clients))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+        return max(
+            float(i.get("weightsync", {}).get("session", {}).get("last_digest_s", 0.0))
+            for i in infos
+        )
+
+    return asyncio.run(run())
 
 
 class SyncTrainers:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 
 from weightsync.server.config import ServeConfig
+from weightsync.server.lifetime import PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -17,9 +19,12 @@ class RankProcesses:
     """Starts and stops the processes of TP ranks 1..N-1.
 
     Each child runs `weightsync.server.ranks.follower` and reads the replica's config from its
-    stdin, which rank 0 keeps open: if rank 0 dies, the children see end of file and exit. The
-    children ignore SIGINT and SIGTERM (a Ctrl-C or a ``kill`` of the process group reaches
-    them too); rank 0 stops them, in order, through its command loop.
+    stdin, which rank 0 keeps open: if rank 0 dies, the children see end of file and exit, and
+    the kernel kills them besides (their parent-death signal; `start` must therefore run on a
+    thread that lives as long as the replica, rank 0's main thread). The config travels on
+    stdin, never in the command line, which every user of the machine can read. The children
+    ignore SIGINT and SIGTERM (a Ctrl-C or a ``kill`` of the process group reaches them too);
+    rank 0 stops them, in order, through its command loop.
 
     Args:
         config: the replica's config.
@@ -36,6 +41,7 @@ class RankProcesses:
     def start(self) -> None:
         """Start ranks 1..N-1 (returns at once; they join the process group when ready)."""
         line = (json.dumps(self._config.to_dict()) + "\n").encode()
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         for tp_rank in range(1, self._config.tp_size):
             cmd = [
                 sys.executable,
@@ -48,7 +54,7 @@ class RankProcesses:
                 "--bootstrap-url",
                 self._bootstrap_url,
             ]
-            process = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+            process = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             assert process.stdin is not None
             process.stdin.write(line)
             process.stdin.flush()

@@ -30,7 +30,14 @@ class BeginUpdate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EndUpdate:
-    """Run post-load processing and close the session on every rank."""
+    """Verify what arrived, run post-load processing and close the session on every rank.
+
+    Attributes:
+        expected: per tp rank, ``{param_name: digest}`` of what the trainers wrote, or None
+            (and an empty tuple) when they sent none.
+    """
+
+    expected: tuple[dict[str, int] | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +114,7 @@ class RankInfo:
         parallelism: its parallelism config dict.
         device: the device its parameters live on.
         dtype: the parameters' dtype name.
+        regions: the ``[addr, num_bytes]`` memory regions registered with its transport.
     """
 
     tp_rank: int
@@ -115,3 +123,4 @@ class RankInfo:
     parallelism: dict[str, int]
     device: str
     dtype: str
+    regions: list[list[int]]

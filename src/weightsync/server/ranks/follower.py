@@ -8,7 +8,8 @@ indefinitely between commands, so an idle replica never times out.
 Ranks 1..N-1 run ``python -m weightsync.server.ranks.follower --tp-rank R --store-port P
 --bootstrap-url URL``, reading the replica's `ServeConfig` as one JSON line on stdin. Rank 0
 keeps their stdin open for as long as it lives: end of file means rank 0 is gone, and the
-rank exits at once.
+rank exits at once. The kernel also kills a rank when rank 0 dies (its parent-death signal,
+`weightsync.server.lifetime`), which holds even while the rank is stuck in native code.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ import torch
 import torch.distributed as dist
 
 from weightsync.server.config import ServeConfig
+from weightsync.server.lifetime import (
+    PARENT_PID_ENV,
+    ParentGoneError,
+    exit_with_parent,
+    parent_pid_from_env,
+)
 from weightsync.server.logs import configure_logging
 from weightsync.server.ranks.commands import INTERNAL, RankReply, Shutdown
 
@@ -39,7 +46,6 @@ logger = logging.getLogger("weightsync.server.ranks.follower")
 # Between two commands a follower rank waits on the control group; an idle replica must not
 # time out there. (Rank 0 going away is noticed through stdin, not through this timeout.)
 _CONTROL_TIMEOUT = timedelta(days=3650)
-STORE_HOST = "127.0.0.1"
 
 
 def init_replica_group(
@@ -102,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     # the whole process group must not cut it off in the middle of a collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGTERM is ignored, so rank 0's death must kill.
+    parent_pid = parent_pid_from_env(os.environ.get(PARENT_PID_ENV))
+    if parent_pid is not None:
+        try:
+            exit_with_parent(parent_pid, sig=signal.SIGKILL)
+        except ParentGoneError as exc:
+            print(f"tp rank {args.tp_rank}: {exc}", file=sys.stderr)
+            return 3
     config = ServeConfig(**json.loads(sys.stdin.readline()))
     configure_logging(config.log_level, tp_rank=args.tp_rank)
     threading.Thread(
@@ -113,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.server.ranks.runtime import RankRuntime
 
     store = dist.TCPStore(
-        STORE_HOST,
+        config.local_host,
         args.store_port,
         config.tp_size,
         is_master=False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +52,9 @@ def rank_transport(config: ServeConfig, device: torch.device) -> Transport:
     if config.transport == "cuda_ipc":
         index = device.index if device.index is not None else 0
         return open_transport(CudaIpcConfig(device=index))
-    transport = open_transport(MooncakeConfig(protocol=config.mooncake_protocol))
+    transport = open_transport(
+        MooncakeConfig(protocol=config.mooncake_protocol, hostname=_advertised_host(config))
+    )
     if not transport.supports_device(device):
         transport.close()
         raise ValueError(
@@ -60,6 +63,17 @@ def rank_transport(config: ServeConfig, device: torch.device) -> Transport:
             "Mooncake (mooncake-transfer-engine)"
         )
     return transport
+
+
+def _advertised_host(config: ServeConfig) -> str:
+    """The address trainers reach this rank's transfer engine at (part of its session id):
+    the configured host, or for a wildcard the address this machine's name resolves to."""
+    if config.host not in ("0.0.0.0", "::", ""):
+        return config.host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class GenerationRefusedError(RuntimeError):
@@ -200,6 +214,7 @@ class RankRuntime:
             parallelism=self.agent.parallelism.to_dict(),
             device=str(self.model.device),
             dtype=dtype_name(self.model.dtype),
+            regions=[list(region) for region in self.agent.regions],
         )
 
     def execute(self, command: Command) -> RankReply:
@@ -215,7 +230,12 @@ class RankRuntime:
             return self._error(INVALID, exc)
         except Exception as exc:
             logger.exception("%s failed", type(command).__name__)
-            return self._error(INTERNAL, exc)
+            # The traceback is in this rank's log; replies carry no engine internals.
+            return RankReply(
+                tp_rank=self.tp_rank,
+                error=f"{type(exc).__name__} on tp rank {self.tp_rank}; see the server log",
+                error_kind=INTERNAL,
+            )
         return RankReply(tp_rank=self.tp_rank, value=value)
 
     def close(self) -> None:
@@ -247,11 +267,10 @@ class RankRuntime:
                 )
                 return {"output_ids": output_ids, "weight_version": self.agent.weight_version}
             case BeginUpdate(selector=selector):
-                self.agent.begin_update(selector)  # type: ignore[arg-type]
-                return None
-            case EndUpdate():
-                self.agent.end_update()
-                return None
+                return self.agent.begin_update(selector)  # type: ignore[arg-type]
+            case EndUpdate(expected=expected):
+                mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
+                return self.agent.end_update(mine)
             case SetWeightVersion(version=version):
                 self.agent.set_weight_version(version)
                 return None

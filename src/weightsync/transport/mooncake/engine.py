@@ -7,14 +7,23 @@ instead), unless ``MC_FORCE_TCP`` is set. Its write timeout is read from
 ``MC_TRANSFER_TIMEOUT`` when the engine object is constructed. So the protocol and timeout of
 a `MooncakeConfig` reach Mooncake through those two variables, set around the engine's
 creation under a lock and restored afterwards.
+
+Mooncake listens on every interface, whatever hostname it is given: its P2P handshake port
+binds 0.0.0.0 (``findAvailableTcpPort``, ``transfer_metadata_plugin.cpp``) and its TCP data
+port binds [::] dual-stack (``TcpContext``, ``tcp_transport_session_impl.h``); no setting
+changes either (``MC_TCP_BIND_ADDRESS`` only names the address advertised outside P2P
+handshake mode). The first engine of a process logs a warning naming both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import socket
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +37,8 @@ PROTOCOLS = ("tcp", "rdma", "auto")
 _METADATA_SERVER = "P2PHANDSHAKE"
 _RDMA_SYSFS = Path("/sys/class/infiniband")
 _ENV_LOCK = threading.Lock()
+_TCP_LISTEN = "0A"
+_warned_listeners = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,7 +46,10 @@ class MooncakeConfig:
     """How a `MooncakeTransport` sets up its engine.
 
     Attributes:
-        hostname: the address peers reach this engine at; part of the session id.
+        hostname: the address peers reach this engine at; part of the session id. It is not
+            where the engine listens: Mooncake listens on every interface (see the module
+            docstring), so keep its ports (``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``, by
+            default 15000-17000) behind a firewall.
         protocol: ``"tcp"``, ``"rdma"`` or ``"auto"`` (RDMA when an RDMA device is present
             and usable, TCP otherwise).
         device_name: RDMA devices to use, comma-separated (``"mlx5_0,mlx5_1"``); empty for all.
@@ -133,9 +147,11 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
                 else:
                     os.environ.pop(name, None)
             engine = TransferEngine()
+            before = _own_listeners()
             return_code = engine.initialize(
                 config.hostname, _METADATA_SERVER, protocol, config.device_name
             )
+            opened = sorted(_own_listeners() - before)
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -147,6 +163,7 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
             f"Mooncake TransferEngine.initialize({config.hostname!r}, {_METADATA_SERVER!r}, "
             f"{protocol!r}, {config.device_name!r}) returned {return_code}"
         )
+    _warn_of_wildcard_listeners(config.hostname, opened)
     if protocol == "rdma":
         devices = topology_devices(engine.get_local_topology())
         if not devices:
@@ -156,3 +173,61 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
                 + "; use protocol 'tcp' or 'auto'"
             )
     return engine
+
+
+def _warn_of_wildcard_listeners(hostname: str, opened: list[tuple[str, int]]) -> None:
+    """Say once per process where Mooncake listens when that is more than `hostname`."""
+    global _warned_listeners
+    wide = [(address, port) for address, port in opened if address in ("0.0.0.0", "::")]
+    if _warned_listeners or not wide:
+        return
+    _warned_listeners = True
+    where = ", ".join(
+        f"[{address}]:{port}" if ":" in address else f"{address}:{port}" for address, port in wide
+    )
+    _LOG.warning(
+        "Mooncake TransferEngine listens on every interface, not only %s: %s. Mooncake "
+        "has no setting to bind one interface; whoever reaches these ports can write into "
+        "the memory registered with it, so firewall them (they lie in MC_MIN_RPC_PORT.."
+        "MC_MAX_RPC_PORT, by default 15000-17000)",
+        hostname,
+        where,
+    )
+
+
+def _own_listeners() -> set[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket this process listens on (Linux; else empty)."""
+    inodes = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    except OSError:
+        return set()
+    found = set()
+    for table, family in (
+        ("/proc/self/net/tcp", socket.AF_INET),
+        ("/proc/self/net/tcp6", socket.AF_INET6),
+    ):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _TCP_LISTEN or fields[9] not in inodes:
+                continue
+            address, port = fields[1].split(":")
+            found.add((_proc_address(address, family), int(port, 16)))
+    return found
+
+
+def _proc_address(hex_address: str, family: int) -> str:
+    # /proc/net/tcp{,6} print addresses as 32-bit words in host byte order.
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    if sys.byteorder == "big":
+        words = raw
+    return socket.inet_ntop(family, words)

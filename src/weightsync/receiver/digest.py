@@ -1,0 +1,82 @@
+"""The digest of what a rank's parameters hold (`weightsync.layout.digest`), in a few kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from weightsync.layout.digest import WEIGHT_MODULUS, WEIGHT_MULTIPLIER, sample_stride
+
+
+class ParameterDigests:
+    """Computes every parameter's digest at once, grouped by storage.
+
+    The sample positions are fixed by each parameter's size and its place in its storage,
+    and parameters never move, so the index tensors are built once; each `compute` is one
+    gather, one multiply and one segmented sum per storage (a single storage when the engine
+    carves its parameters out of one buffer).
+
+    Args:
+        params: the rank's parameters by name (each contiguous, none empty).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._names = list(params)
+        groups: dict[int, list[int]] = {}
+        tensors = list(params.values())
+        for index, tensor in enumerate(tensors):
+            groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
+        self._device = tensors[0].device if tensors else torch.device("cpu")
+        self._groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for members in groups.values():
+            storage = tensors[members[0]].untyped_storage()
+            view = torch.empty(0, dtype=torch.uint8, device=self._device).set_(
+                storage, 0, (storage.nbytes(),), (1,)
+            )
+            starts = [tensors[i].data_ptr() - storage.data_ptr() for i in members]
+            offsets, weights, slots = sample_table(
+                [tensors[i].nbytes for i in members], starts, members
+            )
+            self._groups.append(
+                (view, offsets.to(self._device), weights.to(self._device), slots.to(self._device))
+            )
+
+    def compute(self) -> dict[str, int]:
+        """``{param_name: digest}`` of what every parameter holds now (one device sync)."""
+        sums = torch.zeros(len(self._names), dtype=torch.int64, device=self._device)
+        for view, offsets, weights, slots in self._groups:
+            values = view[offsets].to(torch.int64).add_(1).mul_(weights)
+            sums.index_add_(0, slots, values)
+        return dict(zip(self._names, sums.tolist(), strict=True))
+
+
+def sample_table(
+    sizes: Sequence[int], starts: Sequence[int], slots: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every digest sample of parameters of `sizes` bytes that start at byte `starts` of one
+    buffer: ``(byte offsets, weights, slot of each sample's parameter)`` (host tensors,
+    built without a Python loop over samples)."""
+    strides, counts, tails, tail_ks = [], [], [], []
+    for size in sizes:
+        stride = sample_stride(size)
+        strided = -(-size // stride)
+        strides.append(stride)
+        counts.append(strided)
+        last_strided = (size - 1) % stride == 0
+        tails.append(-1 if last_strided else size - 1)
+        tail_ks.append(strided)
+    count = torch.tensor(counts, dtype=torch.int64)
+    total = int(count.sum())
+    param_of = torch.repeat_interleave(torch.arange(len(sizes)), count, output_size=total)
+    k = torch.arange(total) - (torch.cumsum(count, 0) - count)[param_of]
+    start = torch.tensor(starts, dtype=torch.int64)
+    offsets = start[param_of] + k * torch.tensor(strides, dtype=torch.int64)[param_of]
+    tail = torch.tensor(tails, dtype=torch.int64)
+    has_tail = tail >= 0
+    offsets = torch.cat([offsets, start[has_tail] + tail[has_tail]])
+    ks = torch.cat([k, torch.tensor(tail_ks, dtype=torch.int64)[has_tail]])
+    slot = torch.tensor(slots, dtype=torch.int64)
+    slot_of = torch.cat([slot[param_of], slot[has_tail]])
+    weights = (ks * WEIGHT_MULTIPLIER) % WEIGHT_MODULUS + 1
+    return offsets, weights, slot_of
