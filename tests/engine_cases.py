@@ -90,3 +90,27 @@ def check_against_hf(got: dict[str, list], reference: dict[str, list]) -> None:
         diff = (logits.float() - ref_logits).abs().max().item()
         assert diff <= LOGITS_ATOL, f"prompt {prompt}: logits differ by {diff}"
     assert got["tokens"] == reference["tokens"]
+
+
+# The DeepSeek-V3 family, kept apart from CASES (its own test file runs it). The q_lora case
+# is the preset as it is; the other has q_proj instead, tied embeddings, a vocabulary that is
+# no multiple of 64, rotate-half RoPE and YaRN with mscale != mscale_all_dim (rotary tables
+# scaled by an attention factor other than 1).
+DEEPSEEK_CASES: dict[str, dict[str, Any]] = {
+    "deepseek": preset_config("tiny-deepseek"),
+    "deepseek_nolora": preset_config(
+        "tiny-deepseek-nolora",
+        tie_word_embeddings=True,
+        vocab_size=999,
+        rope_interleave=False,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+    ),
+}

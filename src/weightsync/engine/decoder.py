@@ -5,15 +5,16 @@ from __future__ import annotations
 import torch
 
 from weightsync.engine.attention import Attention
-from weightsync.engine.cache import KVCache
+from weightsync.engine.cache import KVCache, LatentCache
 from weightsync.engine.embedding import VocabParallelEmbedding
 from weightsync.engine.linear import ColumnParallelLinear, RowParallelLinear
+from weightsync.engine.mla import MLAttention
 from weightsync.engine.mlp import MLP
-from weightsync.engine.moe import Experts, Router, SparseMoE
+from weightsync.engine.moe import Experts, GroupedTopkRouter, Router, SparseMoE
 from weightsync.engine.norm import RMSNorm
 from weightsync.engine.parameters import LayoutParameters
 from weightsync.engine.rotary import RotaryEmbedding
-from weightsync.engine.spec import ModelSpec
+from weightsync.engine.spec import MlaSpec, ModelSpec
 from weightsync.engine.tp_group import TensorParallelGroup
 
 
@@ -22,7 +23,7 @@ class DecoderLayer(torch.nn.Module):
 
     Args:
         input_layernorm: the norm before attention.
-        self_attn: the attention block.
+        self_attn: the attention block (grouped heads, or MLA).
         post_attention_layernorm: the norm before the MLP.
         mlp: a dense `MLP` or a `SparseMoE`.
     """
@@ -31,7 +32,7 @@ class DecoderLayer(torch.nn.Module):
         self,
         *,
         input_layernorm: RMSNorm,
-        self_attn: Attention,
+        self_attn: Attention | MLAttention,
         post_attention_layernorm: RMSNorm,
         mlp: MLP | SparseMoE,
     ) -> None:
@@ -55,49 +56,18 @@ class DecoderLayer(torch.nn.Module):
         prefix = f"model.layers.{index}"
         eps = spec.rms_norm_eps
         input_layernorm = RMSNorm(params.take(f"{prefix}.input_layernorm.weight"), eps)
-        attn = f"{prefix}.self_attn"
-        qkv_proj = ColumnParallelLinear(
-            params.take(f"{attn}.qkv_proj.weight"),
-            params.take(f"{attn}.qkv_proj.bias") if params.has(f"{attn}.qkv_proj.bias") else None,
-        )
-        o_proj = RowParallelLinear(params.take(f"{attn}.o_proj.weight"), tp_group)
-        q_norm = k_norm = None
-        if params.has(f"{attn}.q_norm.weight"):
-            q_norm = RMSNorm(params.take(f"{attn}.q_norm.weight"), eps)
-            k_norm = RMSNorm(params.take(f"{attn}.k_norm.weight"), eps)
-        self_attn = Attention(
-            qkv_proj=qkv_proj,
-            o_proj=o_proj,
-            q_norm=q_norm,
-            k_norm=k_norm,
-            head_dim=spec.head_dim,
-            window=spec.sliding_windows[index],
-        )
-        post_norm = RMSNorm(params.take(f"{prefix}.post_attention_layernorm.weight"), eps)
-        mlp_prefix = f"{prefix}.mlp"
-        mlp: MLP | SparseMoE
-        if params.has(f"{mlp_prefix}.experts.w13_weight"):
-            gate = Router(
-                params.take(f"{mlp_prefix}.gate.weight"),
-                top_k=spec.num_experts_per_tok,
-                norm_topk_prob=spec.norm_topk_prob,
+        if spec.mla is not None:
+            self_attn: Attention | MLAttention = _build_mla(
+                f"{prefix}.self_attn", params, spec.mla, eps, tp_group
             )
-            experts = Experts(
-                params.take(f"{mlp_prefix}.experts.w13_weight"),
-                params.take(f"{mlp_prefix}.experts.w2_weight"),
-                ep_rank=ep_rank,
-            )
-            mlp = SparseMoE(gate, experts, tp_group)
         else:
-            mlp = MLP(
-                ColumnParallelLinear(params.take(f"{mlp_prefix}.gate_up_proj.weight")),
-                RowParallelLinear(params.take(f"{mlp_prefix}.down_proj.weight"), tp_group),
-            )
+            self_attn = _build_attention(f"{prefix}.self_attn", index, params, spec, tp_group)
+        post_norm = RMSNorm(params.take(f"{prefix}.post_attention_layernorm.weight"), eps)
         return cls(
             input_layernorm=input_layernorm,
             self_attn=self_attn,
             post_attention_layernorm=post_norm,
-            mlp=mlp,
+            mlp=_build_mlp(f"{prefix}.mlp", params, spec, tp_group, ep_rank),
         )
 
     def forward(
@@ -105,13 +75,112 @@ class DecoderLayer(torch.nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None,
+        cache: KVCache | LatentCache | None,
         index: int,
     ) -> torch.Tensor:
         """Run the layer on ``x`` ``[num_tokens, hidden]``; ``index`` picks its cache slice."""
         layer_cache = cache.layer(index) if cache is not None else None
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, layer_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _build_attention(
+    prefix: str,
+    index: int,
+    params: LayoutParameters,
+    spec: ModelSpec,
+    tp_group: TensorParallelGroup,
+) -> Attention:
+    eps = spec.rms_norm_eps
+    bias = f"{prefix}.qkv_proj.bias"
+    qkv_proj = ColumnParallelLinear(
+        params.take(f"{prefix}.qkv_proj.weight"),
+        params.take(bias) if params.has(bias) else None,
+    )
+    o_proj = RowParallelLinear(params.take(f"{prefix}.o_proj.weight"), tp_group)
+    q_norm = k_norm = None
+    if params.has(f"{prefix}.q_norm.weight"):
+        q_norm = RMSNorm(params.take(f"{prefix}.q_norm.weight"), eps)
+        k_norm = RMSNorm(params.take(f"{prefix}.k_norm.weight"), eps)
+    return Attention(
+        qkv_proj=qkv_proj,
+        o_proj=o_proj,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        head_dim=spec.head_dim,
+        window=spec.sliding_windows[index],
+    )
+
+
+def _build_mla(
+    prefix: str,
+    params: LayoutParameters,
+    mla: MlaSpec,
+    eps: float,
+    tp_group: TensorParallelGroup,
+) -> MLAttention:
+    def linear(name: str) -> ColumnParallelLinear:
+        # Replicated and column-parallel projections multiply alike; only o_proj reduces.
+        return ColumnParallelLinear(params.take(f"{prefix}.{name}.weight"))
+
+    projections: dict[str, ColumnParallelLinear | RMSNorm] = {}
+    if params.has(f"{prefix}.fused_qkv_a_proj_with_mqa.weight"):
+        projections["fused_qkv_a_proj_with_mqa"] = linear("fused_qkv_a_proj_with_mqa")
+        projections["q_a_layernorm"] = RMSNorm(params.take(f"{prefix}.q_a_layernorm.weight"), eps)
+        projections["q_b_proj"] = linear("q_b_proj")
+    else:
+        projections["q_proj"] = linear("q_proj")
+        projections["kv_a_proj_with_mqa"] = linear("kv_a_proj_with_mqa")
+    return MLAttention(
+        kv_b_proj=linear("kv_b_proj"),
+        o_proj=RowParallelLinear(params.take(f"{prefix}.o_proj.weight"), tp_group),
+        kv_a_layernorm=RMSNorm(params.take(f"{prefix}.kv_a_layernorm.weight"), eps),
+        spec=mla,
+        **projections,
+    )
+
+
+def _build_mlp(
+    prefix: str,
+    params: LayoutParameters,
+    spec: ModelSpec,
+    tp_group: TensorParallelGroup,
+    ep_rank: int,
+) -> MLP | SparseMoE:
+    if not params.has(f"{prefix}.experts.w13_weight"):
+        return MLP(
+            ColumnParallelLinear(params.take(f"{prefix}.gate_up_proj.weight")),
+            RowParallelLinear(params.take(f"{prefix}.down_proj.weight"), tp_group),
+        )
+    gate: Router | GroupedTopkRouter
+    shared_experts = None
+    if spec.grouped_routing is not None:
+        routing = spec.grouped_routing
+        gate = GroupedTopkRouter(
+            params.take(f"{prefix}.gate.weight"),
+            params.take(f"{prefix}.gate.e_score_correction_bias"),
+            top_k=spec.num_experts_per_tok,
+            n_group=routing.n_group,
+            topk_group=routing.topk_group,
+            norm_topk_prob=spec.norm_topk_prob,
+            routed_scaling_factor=routing.routed_scaling_factor,
+        )
+        shared_experts = MLP(
+            ColumnParallelLinear(params.take(f"{prefix}.shared_experts.gate_up_proj.weight")),
+            RowParallelLinear(params.take(f"{prefix}.shared_experts.down_proj.weight"), tp_group),
+        )
+    else:
+        gate = Router(
+            params.take(f"{prefix}.gate.weight"),
+            top_k=spec.num_experts_per_tok,
+            norm_topk_prob=spec.norm_topk_prob,
+        )
+    experts = Experts(
+        params.take(f"{prefix}.experts.w13_weight"),
+        params.take(f"{prefix}.experts.w2_weight"),
+        ep_rank=ep_rank,
+    )
+    return SparseMoE(gate, experts, tp_group, shared_experts)
 
 
 class Decoder(torch.nn.Module):
@@ -143,10 +212,10 @@ class Decoder(torch.nn.Module):
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(params.take("model.norm.weight"), spec.rms_norm_eps)
-        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, self.embed_tokens.weight.device)
+        self.rotary = RotaryEmbedding(spec.rope, spec.rotary_dim, self.embed_tokens.weight.device)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | LatentCache | None
     ) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of ``input_ids`` at ``positions``."""
         x = self.embed_tokens(input_ids)

@@ -56,4 +56,9 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_local]`` (this rank's shard) -> the full ``[..., out]``."""
-        return self.tp_group.all_reduce(F.linear(x, as_compute(self.weight, x)))
+        return self.tp_group.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the sum `forward` returns (no all-reduce), for a caller that
+        adds several partial sums before reducing them once."""
+        return F.linear(x, as_compute(self.weight, x))

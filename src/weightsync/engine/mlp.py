@@ -25,3 +25,8 @@ class MLP(torch.nn.Module):
         """``x`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``, equal on every rank."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of `forward`'s result, before the all-reduce over TP."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj.partial(F.silu(gate) * up)

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.engine.cache import KVCache
+from weightsync.engine.cache import KVCache, LatentCache
 from weightsync.engine.decoder import Decoder
 from weightsync.engine.embedding import ParallelLMHead, parallel_lm_head
+from weightsync.engine.mla import MLAttention
 from weightsync.engine.parameters import LayoutParameters
 from weightsync.engine.spec import ModelSpec
 from weightsync.engine.tp_group import TensorParallelGroup
@@ -38,7 +39,8 @@ def _parallelism(parallelism: ParallelismConfig | Mapping[str, Any]) -> Parallel
 
 
 class ReferenceModel(torch.nn.Module):
-    """One TP rank of a llama / mistral / qwen2 / qwen3 / qwen3_moe causal LM.
+    """One TP rank of a llama / mistral / qwen2 / qwen3 / qwen3_moe / DeepSeek-V3 (Kimi-K2)
+    causal LM.
 
     The parameters are allocated from ``weightsync.layout.rank_layout`` and
     ``named_parameters()`` yields exactly its names, shapes and order, so the rank's parameter
@@ -48,13 +50,16 @@ class ReferenceModel(torch.nn.Module):
     Call protocol: every TP rank builds the model with the same config and its own
     parallelism, loads weights (`load_checkpoint` or `load_hf_state_dict`, all ranks), then
     all ranks run the same forward passes (`forward`, or ``generate``) in the same order; each
-    forward pass runs collectives over ``group``.
+    forward pass runs collectives over ``group``. Whoever writes the parameters' bytes by other
+    means (a sync, the weights checker) calls `post_load` before the next forward pass.
 
     Args:
         hf_config: a transformers config or a config.json dict.
         parallelism: this rank's `ParallelismConfig` (or a dict of its fields); no pipeline
             parallelism, attention TP over the whole TP group.
-        dtype: the parameters' dtype (a torch dtype or a name such as ``"bfloat16"``).
+        dtype: the parameters' dtype (a torch dtype or a name such as ``"bfloat16"``); a
+            parameter the layout keeps in another dtype (DeepSeek's router bias, float32)
+            keeps it.
         device: where the parameters live (``"cpu"``, ``"cuda:0"``).
         compute_dtype: the dtype activations are computed in; default float32 on CPU (CPUs
             have no fast half-precision matmul, and float32 makes the engine's tokens those of
@@ -92,7 +97,7 @@ class ReferenceModel(torch.nn.Module):
             group, tp_size=self.parallelism.tp_size, tp_rank=self.parallelism.tp_rank
         )
         self.layout = rank_layout(hf_config, self.parallelism, self.dtype)
-        params = LayoutParameters(self.layout, dtype=self.dtype, device=self.device)
+        params = LayoutParameters(self.layout, device=self.device)
         self.model = Decoder(
             params=params,
             spec=self.spec,
@@ -108,11 +113,23 @@ class ReferenceModel(torch.nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        """KV heads on this rank (1 when they are replicated over the TP ranks)."""
+        """KV heads on this rank (1 when they are replicated over the TP ranks; MLA: 1, the
+        compressed latent every head reads)."""
+        if self.spec.mla is not None:
+            return 1
         return self.model.layers[0].self_attn.num_kv_heads
 
-    def new_cache(self, capacity: int) -> KVCache:
-        """An empty KV cache for one sequence of up to ``capacity`` positions."""
+    def new_cache(self, capacity: int) -> KVCache | LatentCache:
+        """An empty cache for one sequence of up to ``capacity`` positions: keys and values
+        of this rank's KV heads, or MLA's compressed latents (`LatentCache`)."""
+        if self.spec.mla is not None:
+            return LatentCache(
+                num_layers=self.spec.num_layers,
+                entry_dim=self.spec.mla.cache_entry_dim,
+                capacity=capacity,
+                dtype=self.compute_dtype,
+                device=self.device,
+            )
         return KVCache(
             num_layers=self.spec.num_layers,
             num_kv_heads=self.num_kv_heads,
@@ -121,6 +138,21 @@ class ReferenceModel(torch.nn.Module):
             dtype=self.compute_dtype,
             device=self.device,
         )
+
+    @torch.no_grad()
+    def post_load(self) -> None:
+        """Derive what the engine keeps beside its parameters from their current bytes, as
+        SGLang's ``post_load_weights`` does: MLA's ``w_kc`` / ``w_vc`` from each layer's
+        ``kv_b_proj`` (a no-op for the other families).
+
+        Bytes written into the parameters without the model's loaders (a one-sided sync, the
+        weights checker's ``reset_tensors``) leave them stale: call this after every such write
+        and before the next forward pass, on every rank (the server does at the end of each
+        weight-update session). `load_hf_state_dict` and `load_checkpoint` call it themselves.
+        """
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.post_load()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None
@@ -170,7 +202,8 @@ class ReferenceModel(torch.nn.Module):
         """Load HF-named full tensors into this rank's parameters, in place.
 
         The tensors are sharded by ``weightsync.layout.shard_state_dict`` (the same rule a
-        sync uses) and copied into the existing parameters: their memory does not move.
+        sync uses) and copied into the existing parameters: their memory does not move. Then
+        `post_load` derives what depends on them.
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape.
@@ -190,6 +223,7 @@ class ReferenceModel(torch.nn.Module):
                     f"the sharded tensor {tuple(shard.shape)}"
                 )
             param.copy_(shard)
+        self.post_load()
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Load every ``*.safetensors`` file of an HF checkpoint folder (see `load_hf_state_dict`).

@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts block (Qwen3-MoE): router, local experts, one all-reduce."""
+"""Sparse mixture-of-experts blocks: a router, the local experts and (DeepSeek) the shared
+experts, combined with one all-reduce."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from weightsync.engine.linear import as_compute
+from weightsync.engine.mlp import MLP
 from weightsync.engine.tp_group import TensorParallelGroup
 
 
@@ -38,6 +40,87 @@ class Router(torch.nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+
+class GroupedTopkRouter(torch.nn.Module):
+    """DeepSeek-V3's router (``noaux_tc``), replicated on every rank.
+
+    Sigmoid scores of every expert; the correction bias is added for choosing only: the
+    ``topk_group`` groups of experts with the highest sums of their two best biased scores
+    are kept, and the ``top_k`` best biased scores among them chosen. The chosen experts'
+    unbiased scores, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``,
+    weigh their outputs (transformers' DeepseekV3TopkRouter, SGLang's biased grouped top-k).
+
+    Args:
+        weight: ``[num_experts, hidden]``.
+        e_score_correction_bias: ``[num_experts]`` (float32 in SGLang's layout).
+        top_k: experts per token.
+        n_group: groups the experts are split into, in order.
+        topk_group: groups a token's experts may come from.
+        norm_topk_prob: renormalise the chosen experts' scores to sum to one.
+        routed_scaling_factor: what the routing weights are multiplied by.
+
+    Raises:
+        ValueError: the groups do not split the experts into groups of at least two, or
+            ``top_k`` / ``topk_group`` are out of range.
+    """
+
+    def __init__(
+        self,
+        weight: torch.nn.Parameter,
+        e_score_correction_bias: torch.nn.Parameter,
+        *,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        num_experts = weight.shape[0]
+        if n_group < 1 or num_experts % n_group or num_experts // n_group < 2:
+            raise ValueError(
+                f"n_group={n_group} must split num_experts={num_experts} into groups of at "
+                "least two experts (a group's score is its two best experts')"
+            )
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+        if not 1 <= top_k <= topk_group * (num_experts // n_group):
+            raise ValueError(
+                f"top_k={top_k} must be in [1, {topk_group * (num_experts // n_group)}] (the "
+                f"experts of topk_group={topk_group} groups)"
+            )
+        self.weight = weight
+        self.e_score_correction_bias = e_score_correction_bias
+        self.top_k = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route ``x`` ``[num_tokens, hidden]``.
+
+        Returns:
+            ``(weights, experts)``, both ``[num_tokens, top_k]``: routing weights in ``x``'s
+            dtype and global expert indices.
+        """
+        num_tokens, num_experts = x.shape[0], self.weight.shape[0]
+        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        scores = logits.sigmoid()
+        biased = scores + self.e_score_correction_bias.to(torch.float32)
+        grouped = biased.view(num_tokens, self.n_group, num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best_groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
+        biased = biased.masked_fill(expert_mask == 0, float("-inf"))
+        experts = torch.topk(biased, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            # transformers' and SGLang's epsilon, so an all-zero row stays finite.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling_factor).to(x.dtype), experts
 
 
 class Experts(torch.nn.Module):
@@ -80,21 +163,36 @@ class Experts(torch.nn.Module):
 
 
 class SparseMoE(torch.nn.Module):
-    """Router, then every rank's local experts, combined with one all-reduce over TP.
+    """Router, then every rank's local experts (and the shared experts), combined with one
+    all-reduce over TP.
 
     Args:
         gate: the router (SGLang's ``mlp.gate``).
         experts: this rank's experts.
         tp_group: all TP ranks of the replica (``ep_size * moe_tp_size`` of them).
+        shared_experts: DeepSeek's shared experts, every token's dense MLP, split over the
+            whole TP group; ``None`` for models without.
     """
 
-    def __init__(self, gate: Router, experts: Experts, tp_group: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        gate: Router | GroupedTopkRouter,
+        experts: Experts,
+        tp_group: TensorParallelGroup,
+        shared_experts: MLP | None = None,
+    ) -> None:
         super().__init__()
         self.gate = gate
         self.experts = experts
         self.tp_group = tp_group
+        self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``, equal on every rank."""
         weights, experts = self.gate(x)
-        return self.tp_group.all_reduce(self.experts(x, weights, experts))
+        out = self.experts(x, weights, experts)
+        if self.shared_experts is not None:
+            # Both are partial sums over the TP ranks: one all-reduce serves them (SGLang's
+            # shared experts do not reduce their own output either).
+            out = out + self.shared_experts.partial(x)
+        return self.tp_group.all_reduce(out)

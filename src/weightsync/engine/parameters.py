@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from weightsync.layout.types import ParamLayout
+from weightsync.torch_dtypes import torch_dtype
 
 
 class LayoutParameters:
@@ -18,18 +19,17 @@ class LayoutParameters:
     the padding rows must stay. Call protocol: build the modules with `take`, then call
     `arrange` once on the root module.
 
+    Each parameter gets the dtype its layout says (the rollout dtype, but for parameters SGLang
+    keeps in another one, such as DeepSeek's float32 router bias).
+
     Args:
         layout: the rank's parameter table, as ``weightsync.layout.rank_layout`` returns it.
-        dtype: the parameters' dtype (the layout's dtype).
         device: where the parameters live.
     """
 
-    def __init__(
-        self, layout: Mapping[str, ParamLayout], *, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, layout: Mapping[str, ParamLayout], *, device: torch.device) -> None:
         self._layout = dict(layout)
         self._positions = {name: index for index, name in enumerate(self._layout)}
-        self._dtype = dtype
         self._device = device
         self._taken: dict[str, torch.nn.Parameter] = {}
 
@@ -46,7 +46,8 @@ class LayoutParameters:
         """
         if name in self._taken:
             raise ValueError(f"parameter {name!r} is taken twice")
-        data = torch.zeros(self._layout[name].shape, dtype=self._dtype, device=self._device)
+        layout = self._layout[name]
+        data = torch.zeros(layout.shape, dtype=torch_dtype(layout.dtype), device=self._device)
         param = torch.nn.Parameter(data, requires_grad=False)
         self._taken[name] = param
         return param

@@ -18,6 +18,7 @@ from weightsync.layout.families import SUPPORTED_MODEL_TYPES
 from weightsync.layout.names import layer_index
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.partition import padded_vocab_size
+from weightsync.layout.shared_experts import sglang_fuses_shared_experts
 from weightsync.layout.table import as_parallelism, hf_tensor_shapes, rank_layout
 from weightsync.layout.types import ParamLayout, Segment
 
@@ -39,4 +40,5 @@ __all__ = [
     "padded_vocab_size",
     "rank_layout",
     "resolve_dtype_name",
+    "sglang_fuses_shared_experts",
 ]

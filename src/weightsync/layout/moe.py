@@ -1,4 +1,5 @@
-"""Sparse MoE block: experts ``w13_weight`` / ``w2_weight`` split by EP then MoE-TP, and router."""
+"""Sparse MoE blocks: experts ``w13_weight`` / ``w2_weight`` split by EP then MoE-TP, and the
+router; DeepSeek's adds the router's score-correction bias and TP-split shared experts."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from weightsync.layout.partition import RankPartition
 from weightsync.layout.segments import SegmentBuilder, replicated_param
 from weightsync.layout.types import ParamLayout
 
+# SGLang allocates DeepSeek's e_score_correction_bias in float32 whatever the model dtype
+# (MoEGate, deepseek_v2.py; bf16 only on ROCm with aiter and a quantised checkpoint), as
+# transformers keeps it: a bias a few bf16 ulps wide would reorder the top-k choice.
+ROUTER_BIAS_DTYPE = "float32"
 
-def moe_hf_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, ...]]:
-    """The HF tensors of layer ``layer``'s MoE block: per-expert MLPs, then the router."""
+
+def _expert_hf_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, ...]]:
     hidden, inter = dims.hidden_size, dims.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {}
     for expert in range(dims.num_experts):
@@ -18,17 +23,34 @@ def moe_hf_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, ...]]:
         shapes[f"{prefix}gate_proj.weight"] = (inter, hidden)
         shapes[f"{prefix}up_proj.weight"] = (inter, hidden)
         shapes[f"{prefix}down_proj.weight"] = (hidden, inter)
-    shapes[layer_prefix(layer) + "mlp.gate.weight"] = (dims.num_experts, hidden)
     return shapes
 
 
-def moe_params(dims: ModelDims, part: RankPartition, layer: int, dtype: str) -> list[ParamLayout]:
-    """Layer ``layer``'s MoE parameters on the rank ``part`` describes, in SGLang order.
+def moe_hf_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, ...]]:
+    """The HF tensors of layer ``layer``'s MoE block: per-expert MLPs, then the router."""
+    shapes = _expert_hf_shapes(dims, layer)
+    shapes[layer_prefix(layer) + "mlp.gate.weight"] = (dims.num_experts, dims.hidden_size)
+    return shapes
 
-    Local expert ``e`` is global expert ``part.experts[0] + e``. ``w13_weight[e]`` is [its
-    gate rows; its up rows] of the rank's MoE-TP slice, ``w2_weight[e]`` the matching columns
-    of its down projection. The router ``mlp.gate`` is replicated.
-    """
+
+def deepseek_moe_hf_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, ...]]:
+    """The HF tensors of layer ``layer``'s DeepSeek MoE block: per-expert MLPs, the router
+    (``gate.weight`` and the ``gate.e_score_correction_bias`` buffer), the shared experts."""
+    prefix = layer_prefix(layer) + "mlp."
+    hidden = dims.hidden_size
+    shared = dims.moe_intermediate_size * dims.n_shared_experts
+    shapes = _expert_hf_shapes(dims, layer)
+    shapes[f"{prefix}gate.weight"] = (dims.num_experts, hidden)
+    shapes[f"{prefix}gate.e_score_correction_bias"] = (dims.num_experts,)
+    shapes[f"{prefix}shared_experts.gate_proj.weight"] = (shared, hidden)
+    shapes[f"{prefix}shared_experts.up_proj.weight"] = (shared, hidden)
+    shapes[f"{prefix}shared_experts.down_proj.weight"] = (hidden, shared)
+    return shapes
+
+
+def _expert_params(
+    dims: ModelDims, part: RankPartition, layer: int, dtype: str
+) -> list[ParamLayout]:
     prefix = layer_prefix(layer) + "mlp."
     hidden, inter = dims.hidden_size, dims.moe_intermediate_size
     rows = part.moe_intermediate
@@ -44,7 +66,52 @@ def moe_params(dims: ModelDims, part: RankPartition, layer: int, dtype: str) -> 
     return [
         w13.build(f"{prefix}experts.w13_weight", (num_local, 2 * local_inter, hidden), dtype),
         w2.build(f"{prefix}experts.w2_weight", (num_local, hidden, local_inter), dtype),
+    ]
+
+
+def moe_params(dims: ModelDims, part: RankPartition, layer: int, dtype: str) -> list[ParamLayout]:
+    """Layer ``layer``'s MoE parameters on the rank ``part`` describes, in SGLang order.
+
+    Local expert ``e`` is global expert ``part.experts[0] + e``. ``w13_weight[e]`` is [its
+    gate rows; its up rows] of the rank's MoE-TP slice, ``w2_weight[e]`` the matching columns
+    of its down projection. The router ``mlp.gate`` is replicated.
+    """
+    prefix = layer_prefix(layer) + "mlp."
+    router = replicated_param(
+        f"{prefix}gate.weight", f"{prefix}gate.weight", (dims.num_experts, dims.hidden_size), dtype
+    )
+    return [*_expert_params(dims, part, layer, dtype), router]
+
+
+def deepseek_moe_params(
+    dims: ModelDims, part: RankPartition, layer: int, dtype: str
+) -> list[ParamLayout]:
+    """Layer ``layer``'s DeepSeek MoE parameters on the rank ``part`` describes, in SGLang
+    order (DeepseekV2MoE registers ``gate``, ``experts``, then ``shared_experts``).
+
+    The router (``gate.weight``, and ``gate.e_score_correction_bias`` in `ROUTER_BIAS_DTYPE`)
+    is replicated; the routed experts are split as in `moe_params`; the shared experts are a
+    dense MLP of ``moe_intermediate_size * n_shared_experts`` split over the whole TP group
+    (``part.shared_intermediate``), SGLang's layout when it does not fuse them into the routed
+    experts.
+    """
+    prefix = layer_prefix(layer) + "mlp."
+    hidden = dims.hidden_size
+    shared = dims.moe_intermediate_size * dims.n_shared_experts
+    rows = part.shared_intermediate
+    local = rows[1] - rows[0]
+    gate_up = SegmentBuilder()
+    gate_up.add_rows(f"{prefix}shared_experts.gate_proj.weight", (shared, hidden), rows)
+    gate_up.add_rows(f"{prefix}shared_experts.up_proj.weight", (shared, hidden), rows)
+    down = SegmentBuilder()
+    down.add_columns(f"{prefix}shared_experts.down_proj.weight", (hidden, shared), rows)
+    bias = f"{prefix}gate.e_score_correction_bias"
+    return [
         replicated_param(
             f"{prefix}gate.weight", f"{prefix}gate.weight", (dims.num_experts, hidden), dtype
         ),
+        replicated_param(bias, bias, (dims.num_experts,), ROUTER_BIAS_DTYPE),
+        *_expert_params(dims, part, layer, dtype),
+        gate_up.build(f"{prefix}shared_experts.gate_up_proj.weight", (2 * local, hidden), dtype),
+        down.build(f"{prefix}shared_experts.down_proj.weight", (hidden, local), dtype),
     ]

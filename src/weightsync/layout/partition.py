@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weightsync.layout.config import ModelDims
+from weightsync.layout.families import family_for
 from weightsync.layout.parallelism import ParallelismConfig
 
 # SGLang pads the vocabulary of embed_tokens / lm_head to a multiple of this many rows.
@@ -29,22 +30,29 @@ class RankPartition:
     """The slices of each model dimension that one rank holds (``(start, stop)`` ranges).
 
     Attributes:
-        q_rows: rows of ``q_proj`` (this rank's query heads times ``head_dim``).
+        heads: this rank's attention (query) heads.
+        q_rows: rows of ``q_proj`` (this rank's query heads times ``head_dim``); grouped-head
+            attention only, ``(0, 0)`` for MLA (whose rows follow from ``heads``).
         kv_rows: rows of ``k_proj`` / ``v_proj`` (this rank's kv heads, replicated when
-            ``tp_size > num_key_value_heads``).
+            ``tp_size > num_key_value_heads``); ``(0, 0)`` for MLA.
         intermediate: the dense MLP's intermediate slice (rows of gate/up, columns of down).
         vocab_rows: the slice of the padded vocabulary this rank holds; rows at or past
             ``vocab_size`` are padding.
         experts: the global experts this rank holds (``ep_rank`` block).
         moe_intermediate: each expert's intermediate slice (``moe_tp_rank`` block).
+        shared_intermediate: DeepSeek's shared experts' intermediate slice
+            (``moe_intermediate_size * n_shared_experts`` split over the whole TP group, not
+            MoE-TP); ``(0, 0)`` for other families.
     """
 
+    heads: tuple[int, int]
     q_rows: tuple[int, int]
     kv_rows: tuple[int, int]
     intermediate: tuple[int, int]
     vocab_rows: tuple[int, int]
     experts: tuple[int, int]
     moe_intermediate: tuple[int, int]
+    shared_intermediate: tuple[int, int] = (0, 0)
 
 
 def _block(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -59,34 +67,7 @@ def _require_divisible(dims: ModelDims, field: str, value: int, by_name: str, by
         )
 
 
-def partition_rank(dims: ModelDims, parallelism: ParallelismConfig) -> RankPartition:
-    """The slices rank ``parallelism`` holds of a model with sizes ``dims``.
-
-    Raises:
-        ValueError: a size does not split over the ranks (the message names the config field
-            and the parallel size), or the parallelism uses a mode SGLang lays out differently
-            (pipeline or attention data parallelism).
-    """
-    if parallelism.pp_size != 1:
-        raise ValueError(
-            f"pp_size={parallelism.pp_size}: rollout pipeline parallelism is not supported; "
-            "use pp_size=1"
-        )
-    if parallelism.attn_tp_size != parallelism.tp_size:
-        raise ValueError(
-            f"attn_tp_size={parallelism.attn_tp_size} differs from tp_size="
-            f"{parallelism.tp_size}: attention data parallelism is not supported"
-        )
-    tp_size, tp_rank = parallelism.tp_size, parallelism.tp_rank
-    head_dim = dims.head_dim
-
-    _require_divisible(dims, "num_attention_heads", dims.num_attention_heads, "tp_size", tp_size)
-    num_local_heads = dims.num_attention_heads // tp_size
-    q_rows = (
-        tp_rank * num_local_heads * head_dim,
-        (tp_rank + 1) * num_local_heads * head_dim,
-    )
-
+def _kv_rows(dims: ModelDims, tp_size: int, tp_rank: int) -> tuple[int, int]:
     num_kv = dims.num_key_value_heads
     if num_kv >= tp_size:
         _require_divisible(dims, "num_key_value_heads", num_kv, "tp_size", tp_size)
@@ -101,7 +82,37 @@ def partition_rank(dims: ModelDims, parallelism: ParallelismConfig) -> RankParti
         # Each kv head is replicated on tp_size // num_kv consecutive ranks.
         num_local_kv = 1
         kv_start = tp_rank // (tp_size // num_kv)
-    kv_rows = (kv_start * head_dim, (kv_start + num_local_kv) * head_dim)
+    return (kv_start * dims.head_dim, (kv_start + num_local_kv) * dims.head_dim)
+
+
+def partition_rank(dims: ModelDims, parallelism: ParallelismConfig) -> RankPartition:
+    """The slices rank ``parallelism`` holds of a model with sizes ``dims``.
+
+    Raises:
+        ValueError: a size does not split over the ranks (the message names the config field
+            and the parallel size), the parallelism uses a mode SGLang lays out differently
+            (pipeline or attention data parallelism), or (DeepSeek) ``tp_size`` exceeds the
+            number of routed experts, which SGLang refuses.
+    """
+    if parallelism.pp_size != 1:
+        raise ValueError(
+            f"pp_size={parallelism.pp_size}: rollout pipeline parallelism is not supported; "
+            "use pp_size=1"
+        )
+    if parallelism.attn_tp_size != parallelism.tp_size:
+        raise ValueError(
+            f"attn_tp_size={parallelism.attn_tp_size} differs from tp_size="
+            f"{parallelism.tp_size}: attention data parallelism is not supported"
+        )
+    family = family_for(dims.model_type)
+    tp_size, tp_rank = parallelism.tp_size, parallelism.tp_rank
+
+    _require_divisible(dims, "num_attention_heads", dims.num_attention_heads, "tp_size", tp_size)
+    heads = _block(dims.num_attention_heads, tp_size, tp_rank)
+    q_rows = kv_rows = (0, 0)
+    if not family.mla:
+        q_rows = (heads[0] * dims.head_dim, heads[1] * dims.head_dim)
+        kv_rows = _kv_rows(dims, tp_size, tp_rank)
 
     moe_layers = [dims.is_moe_layer(layer) for layer in range(dims.num_hidden_layers)]
     # A size only has to split when some layer uses it.
@@ -113,20 +124,36 @@ def partition_rank(dims: ModelDims, parallelism: ParallelismConfig) -> RankParti
     per_rank = padded_vocab_size(dims.vocab_size, tp_size) // tp_size
     vocab_rows = (tp_rank * per_rank, (tp_rank + 1) * per_rank)
 
-    experts = moe_intermediate = (0, 0)
+    experts = moe_intermediate = shared_intermediate = (0, 0)
     if any(moe_layers):
         ep_size, moe_tp_size = parallelism.ep_size, parallelism.moe_tp_size
-        _require_divisible(dims, "num_experts", dims.num_experts, "ep_size", ep_size)
+        # Name the expert count as the family's config.json spells it.
+        experts_key = "n_routed_experts" if family.deepseek_moe else "num_experts"
+        _require_divisible(dims, experts_key, dims.num_experts, "ep_size", ep_size)
         _require_divisible(
             dims, "moe_intermediate_size", dims.moe_intermediate_size, "moe_tp_size", moe_tp_size
         )
         experts = _block(dims.num_experts, ep_size, parallelism.ep_rank)
         moe_intermediate = _block(dims.moe_intermediate_size, moe_tp_size, parallelism.moe_tp_rank)
+        if family.deepseek_moe:
+            if tp_size > dims.num_experts:
+                raise ValueError(
+                    f"{dims.model_type} config: tp_size={tp_size} exceeds n_routed_experts="
+                    f"{dims.num_experts}, which SGLang refuses; use tp_size <= "
+                    f"{dims.num_experts}"
+                )
+            shared_size = dims.moe_intermediate_size * dims.n_shared_experts
+            _require_divisible(
+                dims, "moe_intermediate_size * n_shared_experts", shared_size, "tp_size", tp_size
+            )
+            shared_intermediate = _block(shared_size, tp_size, tp_rank)
     return RankPartition(
+        heads=heads,
         q_rows=q_rows,
         kv_rows=kv_rows,
         intermediate=intermediate,
         vocab_rows=vocab_rows,
         experts=experts,
         moe_intermediate=moe_intermediate,
+        shared_intermediate=shared_intermediate,
     )

@@ -11,12 +11,19 @@ from weightsync.layout.config import ModelDims, model_dims
 from weightsync.layout.dtypes import resolve_dtype_name
 from weightsync.layout.embedding import vocab_param
 from weightsync.layout.families import family_for
+from weightsync.layout.mla import mla_hf_shapes, mla_params
 from weightsync.layout.mlp import mlp_hf_shapes, mlp_params
-from weightsync.layout.moe import moe_hf_shapes, moe_params
+from weightsync.layout.moe import (
+    deepseek_moe_hf_shapes,
+    deepseek_moe_params,
+    moe_hf_shapes,
+    moe_params,
+)
 from weightsync.layout.names import EMBED_TOKENS, FINAL_NORM, LM_HEAD, layer_prefix
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.partition import partition_rank
 from weightsync.layout.segments import replicated_param
+from weightsync.layout.shared_experts import fused_shared_experts_error
 from weightsync.layout.types import ParamLayout
 
 _LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -54,9 +61,15 @@ def _hf_shapes(dims: ModelDims) -> tuple[tuple[str, tuple[int, ...]], ...]:
     hidden = dims.hidden_size
     shapes: dict[str, tuple[int, ...]] = {EMBED_TOKENS: (dims.vocab_size, hidden)}
     for layer in range(dims.num_hidden_layers):
-        shapes.update(attention_hf_shapes(dims, family, layer))
+        if family.mla:
+            shapes.update(mla_hf_shapes(dims, layer))
+        else:
+            shapes.update(attention_hf_shapes(dims, family, layer))
         if dims.is_moe_layer(layer):
-            shapes.update(moe_hf_shapes(dims, layer))
+            if family.deepseek_moe:
+                shapes.update(deepseek_moe_hf_shapes(dims, layer))
+            else:
+                shapes.update(moe_hf_shapes(dims, layer))
         else:
             shapes.update(mlp_hf_shapes(dims, layer))
         for norm in _LAYER_NORMS:
@@ -72,7 +85,8 @@ def hf_tensor_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
 
     Names are the checkpoint's (``model.layers.{i}.self_attn.q_proj.weight``, per-expert
     ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``); there is no ``lm_head.weight`` when
-    the embeddings are tied.
+    the embeddings are tied. DeepSeek's ``mlp.gate.e_score_correction_bias`` is among them: a
+    buffer in transformers' model (in its ``state_dict()``, not its ``named_parameters()``).
 
     Args:
         hf_config: a transformers config object or a config.json dict.
@@ -92,9 +106,15 @@ def _rank_layout(
     hidden = dims.hidden_size
     params = [vocab_param(EMBED_TOKENS, EMBED_TOKENS, dims, part, dtype)]
     for layer in range(dims.num_hidden_layers):
-        params += attention_params(dims, family, part, layer, dtype)
+        if family.mla:
+            params += mla_params(dims, part, layer, dtype)
+        else:
+            params += attention_params(dims, family, part, layer, dtype)
         if dims.is_moe_layer(layer):
-            params += moe_params(dims, part, layer, dtype)
+            if family.deepseek_moe:
+                params += deepseek_moe_params(dims, part, layer, dtype)
+            else:
+                params += moe_params(dims, part, layer, dtype)
         else:
             params += mlp_params(dims, part, layer, dtype)
         for norm in _LAYER_NORMS:
@@ -112,6 +132,8 @@ def rank_layout(
     hf_config: Any,
     parallelism: ParallelismConfig | Mapping[str, Any],
     dtype: Any = None,
+    *,
+    shared_experts_fused: bool = False,
 ) -> dict[str, ParamLayout]:
     """Every parameter of one rollout rank, in the engine's parameter order, with sources.
 
@@ -119,22 +141,32 @@ def rank_layout(
     rank's heads (kv heads replicated when ``tp_size > num_key_value_heads``), fused
     ``gate_up_proj`` = [gate; up], ``o_proj`` / ``down_proj`` split on dim 1, ``embed_tokens``
     / ``lm_head`` padded (see `padded_vocab_size`) and split over TP with zero padding rows,
-    experts split by EP then MoE-TP, norms and the router replicated. Results are cached, so
-    calling it once per rank of many replicas is cheap.
+    experts split by EP then MoE-TP, norms and the router replicated. DeepSeek-V3 / Kimi-K2:
+    MLA (`weightsync.layout.mla`: replicated down-projections, per-head up-projections),
+    the router with its float32 ``e_score_correction_bias``, shared experts split over TP.
+    Results are cached, so calling it once per rank of many replicas is cheap.
+
+    Every parameter has the rollout dtype except DeepSeek's ``e_score_correction_bias``, which
+    is float32 in any rollout (``ParamLayout.dtype`` says so per parameter).
 
     Args:
         hf_config: a transformers config object or a config.json dict.
         parallelism: the rank's `ParallelismConfig`, or a dict of its fields.
         dtype: the rollout dtype (torch dtype or name); None or ``"auto"`` for the config's
             dtype (float32 if it names none).
+        shared_experts_fused: the rollout fuses DeepSeek's shared experts into the routed
+            experts (see `sglang_fuses_shared_experts`); weightsync does not lay that out yet.
 
     Returns:
         ``{param_name: ParamLayout}``; each layout's segments tile the parameter exactly once.
 
     Raises:
-        ValueError: unsupported ``model_type``, a bad config or dtype, or a size that does not
-            split over the ranks (the message names the config field).
+        ValueError: unsupported ``model_type``, a bad config or dtype, a size that does not
+            split over the ranks (the message names the config field), or fused shared
+            experts (the message names the SGLang option that turns fusion off).
     """
     dims = model_dims(hf_config)
+    if shared_experts_fused and family_for(dims.model_type).deepseek_moe:
+        raise fused_shared_experts_error(dims.model_type)
     layouts = _rank_layout(dims, as_parallelism(parallelism), rollout_dtype_name(dims, dtype))
     return {layout.name: layout for layout in layouts}

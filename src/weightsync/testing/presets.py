@@ -11,6 +11,55 @@ from typing import Any
 
 import torch
 
+# The tiny DeepSeek-V3 shapes of the research spec (its sizes keep every FP8 128x128 block
+# whole at tp <= 2, for the FP8 rollout to come): 3 layers, the first dense; 8 routed experts
+# in 2 groups and 1 shared; YaRN as DeepSeek-V3 and Kimi-K2 configure it. Layouts divide for
+# tp 1, 2, 4 with ep 1, 2 (4 at tp 4). SGLang reads three keys transformers' DeepseekV3Config
+# lacks (moe_layer_freq, scoring_func, topk_method) and fails to load a config without them.
+_TINY_DEEPSEEK: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    # transformers' q_a / kv_a layernorms hard-code 1e-6, SGLang's read rms_norm_eps.
+    "rms_norm_eps": 1e-6,
+    "rope_interleave": True,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
 # Configs by name. "tiny" models run a forward pass in milliseconds on one CPU core; "small"
 # is large enough that a sync moves tens of megabytes; the rest are benchmark workloads.
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -56,6 +105,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
     },
+    "tiny-deepseek": _TINY_DEEPSEEK,
+    # DeepSeek-V2-Lite style attention: q_proj instead of q_a_proj / q_b_proj.
+    "tiny-deepseek-nolora": {**_TINY_DEEPSEEK, "q_lora_rank": None},
     # Benchmark workloads (qwen3 dense, qwen3_moe MoE shapes; sizes for bf16). Too large to
     # build as transformers models on a CPU: benchmarks use seeded synthetic tensors.
     # ~0.27 GB: a quick CPU run.
@@ -139,6 +191,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+# model_types transformers 5.24 does not know, built with the config class of the same
+# architecture: Kimi-K2 is DeepSeek-V3 (`architectures: ["DeepseekV3ForCausalLM"]`).
+_CONFIG_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 # The presets small enough for `weightsync demo` to build, train and serve on a CPU.
 DEMO_PRESETS: tuple[str, ...] = ("tiny", "small", "tiny-moe")
 
@@ -155,12 +211,14 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 def build_hf_config(config: dict[str, Any]):
-    """A transformers config object from a config.json dict (its `model_type` picks the class)."""
+    """A transformers config object from a config.json dict (its `model_type` picks the class;
+    ``kimi_k2``, unknown to transformers, gets DeepSeek-V3's, whose object says
+    ``deepseek_v3``)."""
     from transformers import AutoConfig
 
     data = dict(config)
     model_type = data.pop("model_type")
-    return AutoConfig.for_model(model_type, **data)
+    return AutoConfig.for_model(_CONFIG_ALIASES.get(model_type, model_type), **data)
 
 
 def random_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -170,12 +228,16 @@ def random_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32, 
     torch.manual_seed(seed)
     hf_config = build_hf_config(config)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    # transformers initialises some weights (norms) to constants; perturb them so a wrong
-    # mapping between two norms cannot go unnoticed.
+    # transformers initialises some weights (norms) to constants, and DeepSeek's router bias
+    # (a buffer) to zeros; perturb them so a wrong mapping between two norms, or a router that
+    # ignores its bias, cannot go unnoticed.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model.eval()
 
 

@@ -161,6 +161,8 @@ class RankRuntime:
                 parallelism,
                 dtype,
             )
+            # What the engine derives from the loaded weights (DeepSeek's w_kc / w_vc).
+            model.post_load()
             source = f"synthetic weights (seed {config.seed})"
         else:
             model.load_checkpoint(config.model_path)
@@ -178,6 +180,7 @@ class RankRuntime:
                 params=dict(model.named_parameters()),
                 parallelism=parallelism,
                 transport=transport,
+                on_update_end=model.post_load,
                 weight_version=config.weight_version,
             )
         except BaseException:
