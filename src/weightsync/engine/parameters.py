@@ -10,6 +10,10 @@ import torch
 from weightsync.layout.types import ParamLayout
 from weightsync.torch_dtypes import torch_dtype
 
+# Every parameter starts at a multiple of this many bytes of the buffer (any dtype's element
+# size divides it, and it keeps vectorized kernels on aligned addresses).
+_ALIGN = 256
+
 
 class LayoutParameters:
     """Allocates the parameters of a rank's layout and hands each out once, by name.
@@ -20,7 +24,9 @@ class LayoutParameters:
     `arrange` once on the root module.
 
     Each parameter gets the dtype its layout says (the rollout dtype, but for parameters SGLang
-    keeps in another one, such as DeepSeek's float32 router bias).
+    keeps in another one, such as DeepSeek's float32 router bias). All of them are carved out
+    of one buffer, in layout order and aligned: the rank registers one memory region, and a
+    sync's digests of every parameter are one gather.
 
     Args:
         layout: the rank's parameter table, as ``weightsync.layout.rank_layout`` returns it.
@@ -32,6 +38,13 @@ class LayoutParameters:
         self._positions = {name: index for index, name in enumerate(self._layout)}
         self._device = device
         self._taken: dict[str, torch.nn.Parameter] = {}
+        self._offsets: dict[str, int] = {}
+        end = 0
+        for name, param in self._layout.items():
+            start = -(-end // _ALIGN) * _ALIGN
+            self._offsets[name] = start
+            end = start + param.numel * param.element_size
+        self._buffer = torch.zeros(max(end, 1), dtype=torch.uint8, device=device)
 
     def has(self, name: str) -> bool:
         """Whether the layout holds parameter ``name``."""
@@ -47,7 +60,9 @@ class LayoutParameters:
         if name in self._taken:
             raise ValueError(f"parameter {name!r} is taken twice")
         layout = self._layout[name]
-        data = torch.zeros(layout.shape, dtype=torch_dtype(layout.dtype), device=self._device)
+        start = self._offsets[name]
+        raw = self._buffer[start : start + layout.numel * layout.element_size]
+        data = raw.view(torch_dtype(layout.dtype)).view(layout.shape)
         param = torch.nn.Parameter(data, requires_grad=False)
         self._taken[name] = param
         return param
