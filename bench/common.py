@@ -255,7 +255,9 @@ def _gpu_ceiling_rank(rank: int, gpus: tuple[int, int], buffer_bytes: int, init:
     torch.set_num_threads(1)
     device = torch.device("cuda", gpus[rank])
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=device)
+    same_gpu = gpus[0] == gpus[1]
+    if not same_gpu:  # NCCL takes no two ranks on one GPU: a colocated ceiling is a copy
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=device)
     buffer = torch.empty(buffer_bytes, dtype=torch.uint8, device=device)
     buffer.random_(0, 256)
     peer = torch.empty(buffer_bytes, dtype=torch.uint8, device=gpus[1]) if rank == 0 else None
@@ -280,13 +282,15 @@ def _gpu_ceiling_rank(rank: int, gpus: tuple[int, int], buffer_bytes: int, init:
             torch.cuda.synchronize(peer.device)
         if rank == 0:
             conn.send(time.perf_counter() - start)
-    dist.destroy_process_group()
+    if not same_gpu:
+        dist.destroy_process_group()
 
 
 class GpuCeiling:
     """Measures the GPU link from ``gpus[0]`` to ``gpus[1]`` over `num_bytes`: an NCCL
     broadcast between two processes (the baseline's link) and an in-process peer copy (what
-    CUDA IPC can reach), each in regions of `region_bytes` cycling over a 1 GiB buffer."""
+    CUDA IPC can reach), each in regions of `region_bytes` cycling over a 1 GiB buffer. When
+    both are one GPU (trainer and replica colocated) only the copy is measured."""
 
     def __init__(self, num_bytes: int, *, gpus: tuple[int, int], region_bytes: int) -> None:
         self.num_bytes = num_bytes
@@ -298,7 +302,8 @@ class GpuCeiling:
             init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
         self._conns = []
         self._ranks = []
-        for rank in range(2):
+        self._same_gpu = gpus[0] == gpus[1]
+        for rank in range(1 if self._same_gpu else 2):
             conn, child = ctx.Pipe()
             process = ctx.Process(
                 target=_gpu_ceiling_rank,
@@ -335,6 +340,8 @@ class GpuCeiling:
 
     def measure(self) -> dict[str, float]:
         """One round: seconds of each link over `num_bytes`."""
+        if self._same_gpu:
+            return {"peer_copy": self._run("peer", (0,))}
         return {"nccl_broadcast": self._run("nccl", (0, 1)), "peer_copy": self._run("peer", (0,))}
 
     def close(self) -> None:

@@ -5,7 +5,9 @@ the targets of a rollout layout through a transport that accepts every write at 
 left is the sender's own per-tensor work. The first push lowers the plan into a program
 (matching, checks, packing, chunking, fusing copies, coalescing); the repeated pushes run the
 cached program (the export's geometry check, each tensor's arrival check, the copies and the
-submits). Prints a table and one JSON line.
+submits). The repeated pushes alternate with those of a sender that sums no digests
+(``SenderConfig(digest=False)``), which prices the per-sync verification's sender side.
+Prints a table and one JSON line.
 
     .venv/bin/python bench/sender_overhead.py [--layers 48] [--experts 128] [--tp 2] [--repeat 3]
 """
@@ -119,10 +121,9 @@ def main() -> None:
     tensors = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
     export = TensorsExport(tensors)
     transport = _NullTransport()
-    sender = WeightSender(
-        SenderConfig(bucket_bytes=4 << 20, num_slots=2, num_workers=1, pin_memory=False),
-        transport=transport,
-    )
+    base = {"bucket_bytes": 4 << 20, "num_slots": 2, "num_workers": 1, "pin_memory": False}
+    sender = WeightSender(SenderConfig(**base), transport=transport)
+    plain = WeightSender(SenderConfig(**base, digest=False), transport=transport)
     plan = build_plan(
         hf_config=config,
         targets=_targets(config, args.tp),
@@ -132,6 +133,7 @@ def main() -> None:
     t0 = time.perf_counter()
     first = sender.push(plan, export)  # lowers the program and allocates the ring
     first_s = time.perf_counter() - t0
+    plain.push(plan, export)
     if args.profile:
         import cProfile
         import pstats
@@ -141,13 +143,19 @@ def main() -> None:
         sender.push(plan, export)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    times, stats = [], None
+    times, plain_times, stats = [], [], None
     for _ in range(args.repeat):
         t0 = time.perf_counter()
         stats = sender.push(plan, export)
         times.append(time.perf_counter() - t0)
-    assert stats.cached_program and not first.cached_program
+        t0 = time.perf_counter()
+        plain.push(plan, export)
+        plain_times.append(time.perf_counter() - t0)
+    if not (stats is not None and stats.cached_program and not first.cached_program):
+        raise SystemExit("the repeated pushes did not run the cached program")
     sender.close()
+    plain.close()
+    digest_us = (min(times) - min(plain_times)) / len(tensors) * 1e6
     n = len(tensors)
     best, med = min(times), statistics.median(times)
     rows = [
@@ -161,6 +169,9 @@ def main() -> None:
         ("us per HF tensor (best)", f"{best / n * 1e6:.1f}"),
         ("us per HF tensor (median)", f"{med / n * 1e6:.1f}"),
         ("first push (lowers), us/tensor", f"{first_s / n * 1e6:.1f}"),
+        ("without digests: push s (best)", f"{min(plain_times):.4f}"),
+        ("digests, us per HF tensor (best)", f"{digest_us:.2f}"),
+        ("digests, share of the push", f"{(min(times) - min(plain_times)) / best:.1%}"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -179,6 +190,9 @@ def main() -> None:
                 "num_copies": stats.num_copies,
                 "num_chunks": stats.num_chunks,
                 "first_push_us_per_tensor": round(first_s / n * 1e6, 2),
+                "no_digest_us_per_tensor_best": round(min(plain_times) / n * 1e6, 2),
+                "digest_us_per_tensor": round(digest_us, 2),
+                "digest_fraction_of_push": round((min(times) - min(plain_times)) / best, 4),
             }
         )
     )

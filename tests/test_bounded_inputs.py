@@ -13,6 +13,8 @@ import pytest
 from servers import app_in_thread, serve_replicas
 from weightsync.testing.presets import preset_config, write_random_checkpoint
 
+pytestmark = pytest.mark.faults
+
 API_KEY = "bounded-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {**AUTH, "Content-Type": "application/json"}

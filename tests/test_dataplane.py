@@ -23,6 +23,8 @@ from weightsync.control import BootstrapClient
 from weightsync.errors import RemoteReplicaError
 from weightsync.testing.presets import preset_config, write_random_checkpoint
 
+pytestmark = pytest.mark.faults
+
 API_KEY = "dataplane-key-3f9c"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TP = 2

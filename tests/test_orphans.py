@@ -16,7 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from faults import Stopwatch, record
 from weightsync.testing.presets import preset_config, write_random_checkpoint
+
+pytestmark = pytest.mark.faults
 
 GONE_WITHIN_S = 10.0
 READY_TIMEOUT_S = 120.0
@@ -105,8 +108,10 @@ def test_a_replica_stops_when_its_launcher_is_killed(checkpoint, tmp_path):
         assert replica.ppid() == helper.pid
         os.kill(helper.pid, signal.SIGKILL)
         helper.wait()
+        clock = Stopwatch()
         left = _wait_gone(tree, GONE_WITHIN_S)
         assert not left, f"outlived their launcher: {_describe(left)}"
+        record("replica launcher SIGKILLed", "replica and its ranks exit", clock.seconds)
         # Rank 0 got SIGTERM from the kernel and stopped in order.
         log = (logs / "replica0.log").read_text()
         assert "stopping: received SIGTERM" in log and "stopped" in log.splitlines()[-1], log[
@@ -146,8 +151,10 @@ def test_a_killed_demo_leaves_no_process(tmp_path):
         assert followers, _describe(tree)
         os.kill(demo.pid, signal.SIGKILL)
         demo.wait()
+        clock = Stopwatch()
         left = _wait_gone(tree, GONE_WITHIN_S)
         assert not left, f"outlived the demo: {_describe(left)}"
+        record("weightsync demo SIGKILLed", "every process it started exits", clock.seconds)
     finally:
         if demo.poll() is None:
             demo.kill()

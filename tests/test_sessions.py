@@ -21,6 +21,8 @@ from weightsync.manager.config import ControlConfig
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
+pytestmark = pytest.mark.faults
+
 TINY = preset_config("tiny")
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 import weightsync as ws
+from faults import record
 from process_group import run_in_process_group
 from servers import serve_replicas
 from weightsync.errors import WeightSyncError
@@ -122,7 +123,7 @@ def _stopped_follower(rank: int, group) -> dict:
     import torch.distributed as dist
 
     import weightsync as ws
-    from weightsync.manager.collective import CollectiveError
+    from weightsync.errors import CollectiveError
     from weightsync.testing.presets import random_model
 
     config = ws.SyncConfig(collective_timeout_s=2.0, transport=ws.MooncakeConfig(timeout_s=5))
@@ -145,6 +146,7 @@ def _stopped_follower(rank: int, group) -> dict:
     return outcome
 
 
+@pytest.mark.faults
 def test_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout() -> None:
     outcomes = run_in_process_group(3, _stopped_follower, timeout_s=120)
     for rank, outcome in enumerate(outcomes):
@@ -152,3 +154,8 @@ def test_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout() -> Non
         assert "all-gather of the holdings" in outcome["error"]
         assert "2 s timeout" in outcome["error"]
     assert outcomes[0]["seconds"] < 6 and outcomes[1]["seconds"] < 6, outcomes
+    record(
+        "a trainer rank SIGSTOPped (timeout 2 s)",
+        "every rank raises CollectiveError",
+        max(outcomes[0]["seconds"], outcomes[1]["seconds"]),
+    )

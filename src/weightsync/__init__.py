@@ -25,6 +25,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import (
+    CollectiveError,
     LayoutMismatchError,
     PartialPushError,
     PartialSyncError,
@@ -72,6 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CollectiveError",
     "ControlConfig",
     "CudaIpcConfig",
     "LayoutMismatchError",

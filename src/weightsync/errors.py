@@ -22,6 +22,11 @@ class LayoutMismatchError(WeightSyncError, ValueError):
     """
 
 
+class CollectiveError(WeightSyncError):
+    """A collective call over the trainer group failed or timed out: a trainer rank is dead,
+    stopped, or not calling ``sync``. Every rank that took part raises it."""
+
+
 class WeightsRefusedError(WeightSyncError, ValueError):
     """The trainer's weights were refused before any byte was written: values that are not
     finite in the rollout's dtype (NaN, or beyond its range once cast). The message names the

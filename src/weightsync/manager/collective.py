@@ -25,18 +25,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from weightsync.errors import WeightSyncError
+from weightsync.errors import CollectiveError, WeightSyncError
 from weightsync.manager.report import SyncReport
 from weightsync.plan import SourcePlan
 from weightsync.sender import PushStats
 
 MessageT = TypeVar("MessageT")
 T = TypeVar("T")
-
-
-class CollectiveError(WeightSyncError):
-    """A collective call over the trainer group failed or timed out: a trainer rank is dead,
-    stopped, or out of step. Every rank that took part raises it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

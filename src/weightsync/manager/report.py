@@ -140,6 +140,7 @@ class SyncReport:
                     "lower_seconds": stats.lower_seconds,
                     "fill_seconds": stats.fill_seconds,
                     "write_seconds": stats.write_seconds,
+                    "digest_seconds": stats.digest_seconds,
                     "cached_program": stats.cached_program,
                 }
                 for rank, stats in self.push.per_source.items()

@@ -74,6 +74,9 @@ class RolloutAgent:
         transport: the rank's transport (e.g. a `MooncakeTransport`).
         on_update_end: the engine's post-load processing (re-quantisation, splits), run by
             `end_update` after the bytes arrived.
+        post_load_writes_params: whether `on_update_end` may rewrite the parameters
+            themselves (then their digests are taken again after it); False when it only
+            derives other tensors from them.
         weight_version: the label of the weights the rank starts with.
 
     Raises:
@@ -88,6 +91,7 @@ class RolloutAgent:
         parallelism: ParallelismConfig,
         transport: Transport,
         on_update_end: Callable[[], None] | None = None,
+        post_load_writes_params: bool = True,
         weight_version: str = "default",
     ) -> None:
         if not params:
@@ -105,6 +109,7 @@ class RolloutAgent:
         self._parallelism = parallelism
         self._transport = transport
         self._on_update_end = on_update_end
+        self._post_load_writes = post_load_writes_params and on_update_end is not None
         self._weight_version = weight_version
         self._session_selector: str | None = None
         self._checker = WeightsChecker(self._params)
@@ -248,15 +253,18 @@ class RolloutAgent:
                 mismatched = tuple(
                     name for name, value in now.items() if expected.get(name) != value
                 )
+            changed = _differing(now, self._at_begin)
             if self._on_update_end is not None:
                 self._on_update_end()
-            start = time.perf_counter()
-            self._reference = self._digests.compute()
-            seconds += time.perf_counter() - start
+            if self._post_load_writes:
+                start = time.perf_counter()
+                now = self._digests.compute()
+                seconds += time.perf_counter() - start
+            self._reference = now
         finally:
             self._session_selector = None
         return SessionCheck(
-            changed=_differing(now, self._at_begin),
+            changed=changed,
             mismatched=mismatched,
             verified=expected is not None and not mismatched,
             seconds=seconds,

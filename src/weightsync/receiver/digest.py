@@ -28,6 +28,7 @@ class ParameterDigests:
         for index, tensor in enumerate(tensors):
             groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
         self._device = tensors[0].device if tensors else torch.device("cpu")
+        base = torch.zeros(len(tensors), dtype=torch.int64)
         self._groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for members in groups.values():
             storage = tensors[members[0]].untyped_storage()
@@ -38,16 +39,18 @@ class ParameterDigests:
             offsets, weights, slots = sample_table(
                 [tensors[i].nbytes for i in members], starts, members
             )
+            base.index_add_(0, slots, weights)
             self._groups.append(
                 (view, offsets.to(self._device), weights.to(self._device), slots.to(self._device))
             )
+        # sum((b + 1) * w) = sum(b * w) + sum(w): the second part is fixed per parameter.
+        self._base = base.to(self._device)
 
     def compute(self) -> dict[str, int]:
         """``{param_name: digest}`` of what every parameter holds now (one device sync)."""
-        sums = torch.zeros(len(self._names), dtype=torch.int64, device=self._device)
+        sums = self._base.clone()
         for view, offsets, weights, slots in self._groups:
-            values = view[offsets].to(torch.int64).add_(1).mul_(weights)
-            sums.index_add_(0, slots, values)
+            sums.index_add_(0, slots, view[offsets].to(torch.int64).mul_(weights))
         return dict(zip(self._names, sums.tolist(), strict=True))
 
 

@@ -48,8 +48,11 @@ def _weights(ks: torch.Tensor) -> torch.Tensor:
 class DigestSums:
     """The digests a program's samples add up to over one execution.
 
-    Built once per program on the ring's device (its index tensors are kept), then `reset`
-    and `add_step` for every execution; `values` reads the sums back (one device sync).
+    Built once per program on the ring's device (its index tensors are kept). During an
+    execution every written step is noted (`add_step`) and, before a bucket refills a slot
+    and at the end, `flush` copies the noted steps' sampled bytes out of the ring in one
+    gather; `values` weighs and sums them all at once and reads the sums back (one device
+    sync).
 
     Args:
         program: the program whose samples are summed.
@@ -65,33 +68,44 @@ class DigestSums:
             groups.extend([position] * len(step.samples))
         offsets, weights, digests, bounds = expand_spans(spans, groups, len(program.steps))
         edges = bounds.tolist()
-        # By step identity: the executor hands back the program's own step objects. A
-        # step's samples are read before its slot is refilled, so each has its own range.
-        self._bounds = {id(step): (edges[i], edges[i + 1]) for i, step in enumerate(program.steps)}
         self._offsets = offsets.to(device)
+        self._samples = torch.zeros(offsets.numel(), dtype=torch.uint8, device=device)
+        # By step identity (the executor hands back the program's own step objects): the
+        # step's range of the samples; steps come in order, so noted ones form one range.
+        self._ranges = {id(step): (edges[i], edges[i + 1]) for i, step in enumerate(program.steps)}
+        self._pending: tuple[int, int] | None = None
         self._weights = weights.to(device)
         self._digests = digests.to(device)
-        self._sums = torch.zeros(len(program.digests), dtype=torch.int64, device=device)
+        # sum((b + 1) * w) = sum(b * w) + sum(w): the second part is fixed per parameter.
+        base = torch.zeros(len(program.digests), dtype=torch.int64).index_add_(0, digests, weights)
+        self._base = base.to(device)
 
     @property
     def program(self) -> PushProgram:
         """The program the sums belong to."""
         return self._program
 
-    def reset(self) -> None:
-        """Start a new execution."""
-        self._sums.zero_()
+    def add_step(self, step: ChunkStep) -> None:
+        """Note that `step` (one of the program's) is filled: its samples are in the ring
+        until its slot is refilled."""
+        lo, hi = self._ranges[id(step)]
+        if self._pending is None:
+            self._pending = (lo, hi)
+        else:
+            self._pending = (self._pending[0], hi)
 
-    def add_step(self, step: ChunkStep, ring_bytes: torch.Tensor) -> None:
-        """Add the samples of `step` (one of the program's), read from the filled ring
-        (`ring_bytes`, the ring as uint8); on a GPU ring this is enqueued on the current
-        stream, behind the fill."""
-        lo, hi = self._bounds[id(step)]
-        if lo == hi:
+    def flush(self, ring_bytes: torch.Tensor) -> None:
+        """Copy the samples of the noted steps out of the ring (`ring_bytes`, the ring as
+        uint8); on a GPU ring this is enqueued on the current stream, behind the fills."""
+        if self._pending is None:
             return
-        values = ring_bytes[self._offsets[lo:hi]].to(torch.int64).add_(1).mul_(self._weights[lo:hi])
-        self._sums.index_add_(0, self._digests[lo:hi], values)
+        lo, hi = self._pending
+        self._pending = None
+        if hi > lo:
+            torch.index_select(ring_bytes, 0, self._offsets[lo:hi], out=self._samples[lo:hi])
 
     def values(self) -> dict[tuple[int, str], int]:
         """``{(layout_id, param_name): digest}`` of what the execution staged."""
-        return dict(zip(self._program.digests, self._sums.tolist(), strict=True))
+        weighted = self._samples.to(torch.int64).mul_(self._weights)
+        sums = self._base.clone().index_add_(0, self._digests, weighted)
+        return dict(zip(self._program.digests, sums.tolist(), strict=True))

@@ -41,10 +41,12 @@ class ExecutionTimes:
     Attributes:
         fill_s: filling the ring (and waiting on the host for GPU copies to finish).
         write_s: submitting writes and waiting for them (what the fills did not hide).
+        digest_s: copying the digest samples out of the ring (part of `fill_s`).
     """
 
     fill_s: float = 0.0
     write_s: float = 0.0
+    digest_s: float = 0.0
 
 
 class ProgramRun:
@@ -143,6 +145,7 @@ class ProgramRun:
             next_step += 1
         if pending is not None:
             self._write(*pending)
+        self._flush_digests()
         t0 = time.perf_counter()
         self._queue.wait_all()
         self.times.write_s += time.perf_counter() - t0
@@ -158,6 +161,7 @@ class ProgramRun:
             if pending is not None:
                 self._write(*pending)
                 pending = None
+            self._flush_digests()  # before a slot is refilled
             t0 = time.perf_counter()
             self._queue.wait_slot(step.slot)
             self.times.write_s += time.perf_counter() - t0
@@ -186,8 +190,8 @@ class ProgramRun:
         t1 = time.perf_counter()
         if self._digests is not None:
             # The chunk is filled (its events waited for, or its copies ahead on the stream
-            # the sums are enqueued on) and not yet refilled: its writes have not gone out.
-            self._digests.add_step(step, self._bytes)
+            # the samples are gathered on) and stays so until its slot is refilled.
+            self._digests.add_step(step)
         after_stream = self._stream if step.stream_ordered else None
         base = self._ring_base
         for target_writes in step.writes:
@@ -200,6 +204,12 @@ class ProgramRun:
             )
         self.times.fill_s += t1 - t0
         self.times.write_s += time.perf_counter() - t1
+
+    def _flush_digests(self) -> None:
+        if self._digests is not None:
+            t0 = time.perf_counter()
+            self._digests.flush(self._bytes)
+            self.times.digest_s += time.perf_counter() - t0
 
     def _mismatch(self, key: str, tensor: Any, position: int, arrived: int) -> ValueError:
         program = self._program

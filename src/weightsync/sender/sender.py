@@ -212,7 +212,9 @@ class WeightSender:
             self._queue.drain()
             raise
         counters = program.counters
+        t0 = time.perf_counter()
         digests = _per_target(program, sums.values()) if sums is not None else {}
+        digest_seconds = run.times.digest_s + time.perf_counter() - t0
         stats = PushStats(
             rank=self.rank,
             bytes_staged=counters.bytes_staged,
@@ -229,6 +231,7 @@ class WeightSender:
             bytes_per_target=dict(counters.bytes_per_target),
             cached_program=cached,
             digests=digests,
+            digest_seconds=digest_seconds,
         )
         failed = self._queue.failed
         if failed:
@@ -275,11 +278,10 @@ class WeightSender:
         )
 
     def _sums_for(self, program: PushProgram, device: torch.device) -> DigestSums:
-        """The digest sums of `program` on `device`, built on its first push and reset."""
+        """The digest sums of `program` on `device`, built on its first push."""
         sums = self._digest_sums.get(id(program))
         if sums is None or sums.program is not program:
             sums = self._digest_sums[id(program)] = DigestSums(program, device=device)
-        sums.reset()
         return sums
 
     def _ring_for(self, staging: StagingSpec) -> StagingRing:
@@ -351,8 +353,9 @@ def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
     NaN or infinite once cast to the rollout's dtype (a float32 weight of 3.4e38 is finite,
     and infinite in bfloat16).
 
-    Reads every such tensor once (two reductions each: the cast of the largest and smallest
-    value decides, as rounding is monotonic).
+    Reads every such tensor once: the largest magnitude of each (a multi-tensor reduction
+    over batches of the stream, so a MoE's thousands of experts cost a few launches, and at
+    most a batch is held at a time) decides, as a NaN propagates and rounding is monotonic.
 
     Raises:
         WeightsRefusedError: naming the tensor, the trainer rank and what to do.
@@ -361,15 +364,38 @@ def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
     if not dtype.is_floating_point:
         return
     needed = set(program.keys)
+    batch: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad():
         for name, tensor in export:
             if name not in needed or not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
-            bounds = torch.stack([tensor.amax(), tensor.amin()]).to(dtype)
-            if not bool(torch.isfinite(bounds).all()):
-                raise WeightsRefusedError(
-                    f"trainer rank {program.plan.rank}: HF tensor {name!r} holds values that "
-                    f"are not finite in the rollout's {program.dtype} (NaN, or beyond its range "
-                    "once cast); nothing was written. Fix the trainer's weights, or set "
-                    "SenderConfig(check_finite='never') to write them anyway"
-                )
+            batch.append((name, tensor))
+            if len(batch) == _FINITE_BATCH:
+                _check_finite(batch, dtype, program)
+                batch = []
+        if batch:
+            _check_finite(batch, dtype, program)
+
+
+# Tensors per multi-tensor reduction of the finite check.
+_FINITE_BATCH = 1024
+
+
+def _check_finite(
+    batch: list[tuple[str, torch.Tensor]], dtype: torch.dtype, program: PushProgram
+) -> None:
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in batch:
+        groups.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
+    for members in groups.values():
+        peaks = torch.stack(torch._foreach_norm([t for _, t in members], float("inf")))
+        finite = torch.isfinite(peaks.to(dtype))
+        if bool(finite.all()):
+            continue
+        name = members[int((~finite).nonzero()[0])][0]
+        raise WeightsRefusedError(
+            f"trainer rank {program.plan.rank}: HF tensor {name!r} holds values that "
+            f"are not finite in the rollout's {program.dtype} (NaN, or beyond its range "
+            "once cast); nothing was written. Fix the trainer's weights, or set "
+            "SenderConfig(check_finite='never') to write them anyway"
+        )

@@ -33,6 +33,7 @@ class PushStats:
         digests: per target session id, ``{param_name: digest}`` of the bytes this rank
             wrote of each parameter (`weightsync.layout.digest`); the partial digests of all
             ranks add up to the parameter's. Empty when the sender computes none.
+        digest_seconds: wall time spent on the digests (part of `seconds`).
     """
 
     rank: int
@@ -51,6 +52,7 @@ class PushStats:
     bytes_per_target: Mapping[str, int] = field(default_factory=dict)
     cached_program: bool = False
     digests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    digest_seconds: float = 0.0
 
     @property
     def write_gbps(self) -> float:

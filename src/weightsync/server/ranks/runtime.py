@@ -181,6 +181,8 @@ class RankRuntime:
                 parallelism=parallelism,
                 transport=transport,
                 on_update_end=model.post_load,
+                # post_load derives MLA's w_kc / w_vc beside the parameters, never in them.
+                post_load_writes_params=False,
                 weight_version=config.weight_version,
             )
         except BaseException:
