@@ -83,19 +83,30 @@ class TargetRank:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorMeta:
-    """Shape and dtype of one HF tensor as a trainer source rank produces it.
+    """Shape and dtype of one HF tensor as a trainer source rank produces it, and which part
+    of it the rank holds.
+
+    A rank of a sharded trainer (Megatron-core TP/EP, FSDP2) holds a box of the HF tensor:
+    a window per dim (rows of a column-parallel weight, columns of a row-parallel one, the
+    rows of an FSDP shard). Its stream then yields exactly that box, as a tensor of the box's
+    extents, and the plan writes from it only the destination bytes inside the box. Ranks
+    that hold the same box (data-parallel copies, replicated norms) share its work.
 
     Attributes:
         shape: the full (unsharded) HF shape.
         dtype: torch dtype name without the ``torch.`` prefix (a torch dtype is converted);
             the sender casts to the rollout's dtype, so it may differ from it.
+        box: ``(start, stop)`` per dim of the part this rank holds, or None for the whole
+            tensor (the same as a box of every full dim).
 
     Raises:
-        ValueError: a negative dim or an empty dtype.
+        ValueError: a negative dim, an empty dtype, or a box that is empty, has another
+            number of dims, or reaches past the shape.
     """
 
     shape: tuple[int, ...]
     dtype: str
+    box: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
@@ -106,6 +117,31 @@ class TensorMeta:
         if not name:
             raise ValueError("TensorMeta.dtype must be a dtype name such as 'bfloat16'")
         object.__setattr__(self, "dtype", name)
+        if self.box is None:
+            return
+        box = tuple((int(start), int(stop)) for start, stop in self.box)
+        if len(box) != len(shape) or any(
+            not 0 <= start < stop <= dim for (start, stop), dim in zip(box, shape, strict=True)
+        ):
+            raise ValueError(
+                f"TensorMeta.box {self.box!r} is not a non-empty window of shape {shape}: one "
+                "(start, stop) per dim with 0 <= start < stop <= dim"
+            )
+        # The whole tensor is the same as no box: one spelling for one holding.
+        full = all(
+            start == 0 and stop == dim for (start, stop), dim in zip(box, shape, strict=True)
+        )
+        object.__setattr__(self, "box", None if full else box)
+
+    @property
+    def held_box(self) -> tuple[tuple[int, int], ...]:
+        """The part this rank holds, the whole tensor spelled as a box."""
+        return self.box if self.box is not None else tuple((0, dim) for dim in self.shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the rank's stream yields: the box's extents."""
+        return tuple(stop - start for start, stop in self.held_box)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
