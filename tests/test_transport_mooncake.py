@@ -297,7 +297,7 @@ def test_a_hung_peer_fails_within_the_timeout(
         with pytest.raises(TransferError, match="timed out") as caught:
             writer.wait(handle, TIMEOUT_S)
         elapsed = time.monotonic() - start
-        assert TIMEOUT_S <= elapsed < TIMEOUT_S + 2.0
+        assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5.0
         assert "may still land later" in str(caught.value)
         assert caught.value.return_code is None
         # The timed-out region keeps its slot until Mooncake resolves it.
