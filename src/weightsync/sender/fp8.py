@@ -106,7 +106,7 @@ def dequantize_block_fp8(codes: torch.Tensor, scales: torch.Tensor, *, block: in
 def _quantize_torch(
     weight: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor, block: int
 ) -> None:
-    *lead, rows, cols = weight.shape
+    rows, cols = weight.shape[-2:]
     row_blocks, col_blocks = scale_out.shape[-2:]
     x = weight.reshape(-1, rows, cols)
     codes = out.view(-1, rows, cols)
@@ -178,7 +178,7 @@ def _triton_kernel() -> Any:
 def _quantize_triton(
     kernel: Any, weight: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor, block: int
 ) -> None:
-    *lead, rows, cols = weight.shape
+    rows, cols = weight.shape[-2:]
     x = weight if weight.stride(-1) == 1 else weight.contiguous()
     x = x.reshape(-1, rows, cols) if x.is_contiguous() else x.contiguous().view(-1, rows, cols)
     row_blocks, col_blocks = scale_out.shape[-2:]
