@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8_reference import reference_quantize
-from weightsync.sender.fp8 import dequantize_block_fp8, quantize_block_fp8
+from weightsync.export.quantize import dequantize_block_fp8, quantize_block_fp8
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -19,7 +19,7 @@ def _weight(shape, dtype, seed) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * 0.02
     # Outliers and a zero block exercise the scale's range and its floor.
-    x.view(-1)[:: 997] *= 300.0
+    x.view(-1)[::997] *= 300.0
     x[..., :8, :8] = 0.0
     return x.to(dtype)
 
