@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fp8_reference import reference_quantize
+from weightsync.export import Fp8Export, TensorsExport
 from weightsync.export.quantize import dequantize_block_fp8, quantize_block_fp8
 
 
@@ -68,3 +69,39 @@ def test_bad_inputs_are_refused() -> None:
         quantize_block_fp8(torch.zeros(8, 8, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"scale_out must be a contiguous torch.float32 \(1, 1\)"):
         quantize_block_fp8(torch.zeros(8, 8), scale_out=torch.zeros(2, 2))
+
+
+def test_fp8_export_quantises_views_of_fused_experts_and_passes_the_rest() -> None:
+    gate_up = _weight((4, 2 * 24, 40), torch.bfloat16, seed=7)
+    down = _weight((4, 40, 24), torch.bfloat16, seed=8)
+    norm = torch.ones(40, dtype=torch.bfloat16)
+    tensors = {"model.layers.0.input_layernorm.weight": norm}
+    for e in range(4):
+        prefix = f"model.layers.0.mlp.experts.{e}."
+        tensors[prefix + "gate_proj.weight"] = gate_up[e, :24]
+        tensors[prefix + "up_proj.weight"] = gate_up[e, 24:]
+    for e in range(4):
+        tensors[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e]
+    export = Fp8Export(TensorsExport(tensors), block=8)
+    holding = export.holding()
+    assert holding["model.layers.0.mlp.experts.2.up_proj.weight"].dtype == "float8_e4m3fn"
+    assert holding["model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"].shape == (3, 5)
+    assert holding["model.layers.0.input_layernorm.weight"].dtype == "bfloat16"
+    export.begin_push()
+    stream = dict(export)
+    assert list(stream) == list(export.geometry().keys)
+    assert stream["model.layers.0.input_layernorm.weight"] is norm
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight"):
+            codes, scales = reference_quantize(tensor, 8)
+            assert torch.equal(_bits(stream[name]), _bits(codes)), name
+            assert torch.equal(stream[name + "_scale_inv"], scales), name
+    # Within a push the codes are reused; the next push quantises the new weights.
+    gate_up.mul_(2)
+    assert torch.equal(
+        _bits(dict(export)["model.layers.0.mlp.experts.1.gate_proj.weight"]),
+        _bits(reference_quantize(gate_up[1, :24] / 2, 8)[0]),
+    )
+    export.begin_push()
+    scale = dict(export)["model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv"]
+    assert torch.equal(scale, reference_quantize(gate_up[1, :24], 8)[1])

@@ -180,7 +180,8 @@ def _quantize_triton(
 ) -> None:
     rows, cols = weight.shape[-2:]
     x = weight if weight.stride(-1) == 1 else weight.contiguous()
-    x = x.reshape(-1, rows, cols) if x.is_contiguous() else x.contiguous().view(-1, rows, cols)
+    # Rows and batches may be strided (a run of per-expert views); elements of a row not.
+    x = x.unsqueeze(0) if x.dim() == 2 else x.reshape(-1, rows, cols)
     row_blocks, col_blocks = scale_out.shape[-2:]
     grid = (row_blocks, col_blocks, x.shape[0])
     with torch.cuda.device(weight.device):
