@@ -131,8 +131,13 @@ class _Pointer:
 
 
 def _bytes_at(addr: int, num_bytes: int, device: torch.device) -> torch.Tensor:
+    """`num_bytes` at `addr` as a uint8 tensor: device memory, else host memory (a ring the
+    sender placed on the host)."""
     if device.type == "cuda":
-        return torch.as_tensor(_Pointer(addr, num_bytes), device=device)
+        try:
+            return torch.as_tensor(_Pointer(addr, num_bytes), device=device)
+        except RuntimeError:
+            pass
     array = np.ctypeslib.as_array((ctypes.c_ubyte * num_bytes).from_address(addr))
     return torch.from_numpy(array)
 
@@ -147,8 +152,8 @@ class _DeviceCopyTransport:
         self.device = device
 
     def supports_device(self, device: torch.device) -> bool:
-        """The ring may live where the tensors are."""
-        return device == self.device
+        """The ring may live on the bench's GPU."""
+        return device.type == self.device.type and device.index == self.device.index
 
     def register(self, addr: int, num_bytes: int) -> None:
         """Nothing to register."""
@@ -205,6 +210,8 @@ def _copy_time(num_bytes: int, device: torch.device, repeats: int) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     base = _config(args.preset, args.layers, args.experts)
     fp8 = {**base, "quantization_config": fp8_quantization_config(BLOCK)}
     tensors = _trainer_tensors(base, device)
@@ -228,6 +235,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     copy_s = _copy_time(copy_elems, device, args.repeats)
     copy_bytes = 2 * copy_elems
     quant_bps, copy_bps = quant_bytes / quant_s, copy_bytes / copy_s
+    kernel = "triton" if device.type == "cuda" and _triton_kernel() is not None else "torch"
+    quantisation = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "preset": args.preset,
+        "layers": args.layers,
+        "kernel": kernel,
+        "quantised_elements": numel,
+        "quant_bytes": quant_bytes,
+        "quant_s": quant_s,
+        "quant_gbps": quant_bps / 1e9,
+        "copy_bytes": copy_bytes,
+        "copy_s": copy_s,
+        "copy_gbps": copy_bps / 1e9,
+        "quant_vs_copy": quant_bps / copy_bps,
+        "quant_vs_hbm_peak": quant_bps / HBM_PEAK,
+    }
+    # Shown before the sync, which allocates the rollout's memory.
+    _print_quantisation(quantisation)
 
     # The FP8 sync into a tp1 rank on the same device.
     layout = rank_layout(fp8, {"tp_size": 1, "tp_rank": 0})
@@ -286,27 +311,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not ok:
                 mismatched.append(name)
                 break
-    kernel = "triton" if device.type == "cuda" and _triton_kernel() is not None else "torch"
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "preset": args.preset,
-        "layers": args.layers,
-        "kernel": kernel,
-        "quantised_elements": numel,
-        "quant_bytes": quant_bytes,
-        "quant_s": quant_s,
-        "quant_gbps": quant_bps / 1e9,
-        "copy_bytes": copy_bytes,
-        "copy_s": copy_s,
-        "copy_gbps": copy_bps / 1e9,
-        "quant_vs_copy": quant_bps / copy_bps,
-        "quant_vs_hbm_peak": quant_bps / HBM_PEAK,
+        **quantisation,
         "sync_bytes_written": stats.bytes_written,
         "sync_s": push_s,
         "sync_params": len(layout),
         "sync_mismatched": mismatched,
         "sync_bit_exact": not mismatched,
     }
+
+
+def _print_quantisation(result: dict[str, Any]) -> None:
+    print(
+        f"\nFP8 quantisation of {result['layers']} {result['preset']} layers on "
+        f"{result['device']} ({result['kernel']})"
+    )
+    rows = [
+        ("quantise (Fp8Export)", result["quant_bytes"], result["quant_s"], result["quant_gbps"]),
+        ("same-device copy", result["copy_bytes"], result["copy_s"], result["copy_gbps"]),
+    ]
+    print(f"{'what':>22} {'GB moved':>10} {'ms':>9} {'GB/s':>9}")
+    for what, num_bytes, seconds, gbps in rows:
+        print(f"{what:>22} {num_bytes / 1e9:10.2f} {seconds * 1e3:9.2f} {gbps:9.1f}")
+    print(
+        f"quantise / copy: {result['quant_vs_copy']:.1%}; of 4.8 TB/s: "
+        f"{result['quant_vs_hbm_peak']:.1%}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -323,21 +354,6 @@ def main() -> None:
     parser.add_argument("--max-copy-bytes", type=int, default=8 << 30)
     args = parser.parse_args()
     result = run(args)
-    print(
-        f"\nFP8 quantisation of {args.layers} {args.preset} layers on {result['device']} "
-        f"({result['kernel']})"
-    )
-    rows = [
-        ("quantise (Fp8Export)", result["quant_bytes"], result["quant_s"], result["quant_gbps"]),
-        ("same-device copy", result["copy_bytes"], result["copy_s"], result["copy_gbps"]),
-    ]
-    print(f"{'what':>22} {'GB moved':>10} {'ms':>9} {'GB/s':>9}")
-    for what, num_bytes, seconds, gbps in rows:
-        print(f"{what:>22} {num_bytes / 1e9:10.2f} {seconds * 1e3:9.2f} {gbps:9.1f}")
-    print(
-        f"quantise / copy: {result['quant_vs_copy']:.1%}; of 4.8 TB/s: "
-        f"{result['quant_vs_hbm_peak']:.1%}"
-    )
     print(
         f"FP8 sync: {result['sync_bytes_written'] / 1e9:.2f} GB into {result['sync_params']} "
         f"parameters in {result['sync_s']:.2f} s; bit-exact vs the reference quantiser: "
