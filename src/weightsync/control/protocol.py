@@ -131,6 +131,31 @@ def served_dtype(server_info: Mapping[str, Any]) -> str | None:
         return None
 
 
+def served_fp8_block(server_info: Mapping[str, Any]) -> int:
+    """The block size of the block-FP8 weights a replica serves, 0 for unquantised ones.
+
+    Read from SGLang's ``quantization`` key and the ``weight_block_size`` the reference
+    server publishes beside it (DeepSeek-V3's and Kimi-K2's 128 when a server names FP8
+    without a block).
+
+    Raises:
+        ValueError: a quantisation weightsync does not write (another method, non-square
+            blocks).
+    """
+    method = server_info.get("quantization")
+    if method in (None, "", "none"):
+        return 0
+    if method != "fp8":
+        raise ValueError(
+            f"the replica serves quantization={method!r}; weightsync writes unquantised and "
+            "block-FP8 ('fp8') rollouts"
+        )
+    block = server_info.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or block[0] != block[1] or not isinstance(block[0], int) or block[0] < 1:
+        raise ValueError(f"the replica serves FP8 with weight_block_size={block!r}: not square")
+    return block[0]
+
+
 # SGLang flags that move, free or repack parameter memory after it was registered, with the
 # setting that is safe: (key in /server_info, is it on?, what to change).
 _UNSAFE_FLAGS: tuple[tuple[str, Any, str], ...] = (

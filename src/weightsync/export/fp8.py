@@ -89,22 +89,12 @@ class Fp8Export:
         self._fresh = set()
 
     def holding(self) -> Mapping[str, TensorMeta]:
-        """The wrapped holding with each weight as e4m3 and its float32 scale after it.
+        """The wrapped holding as `fp8_holding` turns it.
 
         Raises:
             ValueError: a held box of a weight cuts a block.
         """
-        out: dict[str, TensorMeta] = {}
-        for name, meta in self.export.holding().items():
-            if not self._quantized(name, meta.shape):
-                out[name] = meta
-                continue
-            out[name] = TensorMeta(shape=meta.shape, dtype=FP8_DTYPE, box=meta.box)
-            box = None if meta.box is None else self._scale_box(name, meta)
-            out[scale_name(name)] = TensorMeta(
-                shape=scale_shape(meta.shape, self.block), dtype=SCALE_DTYPE, box=box
-            )
-        return out
+        return fp8_holding(self.export.holding(), self.block)
 
     def geometry(self) -> StreamGeometry:
         """The stream's geometry: the wrapped one with the codes and scales buffers."""
@@ -202,16 +192,41 @@ class Fp8Export:
         return runs
 
     def _quantized(self, name: str, shape: tuple[int, ...]) -> bool:
-        return is_quantized_hf_name(name) and len(shape) == 2
+        return _quantized(name, shape)
 
-    def _scale_box(self, name: str, meta: TensorMeta) -> tuple[tuple[int, int], ...]:
-        box = []
-        for dim, ((start, stop), size) in enumerate(zip(meta.held_box, meta.shape, strict=True)):
-            if start % self.block or (stop % self.block and stop != size):
-                raise ValueError(
-                    f"tensor {name!r}: this rank holds [{start}, {stop}) of dim {dim} (of "
-                    f"{size}), which cuts a {self.block}x{self.block} FP8 block; shard the "
-                    f"trainer's weights on multiples of {self.block}"
-                )
-            box.append((start // self.block, -(-stop // self.block)))
-        return tuple(box)
+
+def _quantized(name: str, shape: tuple[int, ...]) -> bool:
+    return is_quantized_hf_name(name) and len(shape) == 2
+
+
+def fp8_holding(holding: Mapping[str, TensorMeta], block: int) -> dict[str, TensorMeta]:
+    """What an `Fp8Export` of an export holding `holding` holds: each linear weight as e4m3
+    with its float32 ``weight_scale_inv`` after it (a held box's scale: the box in blocks).
+
+    Raises:
+        ValueError: a held box of a weight cuts a block.
+    """
+    out: dict[str, TensorMeta] = {}
+    for name, meta in holding.items():
+        if not _quantized(name, meta.shape):
+            out[name] = meta
+            continue
+        out[name] = TensorMeta(shape=meta.shape, dtype=FP8_DTYPE, box=meta.box)
+        box = None if meta.box is None else _scale_box(name, meta, block)
+        out[scale_name(name)] = TensorMeta(
+            shape=scale_shape(meta.shape, block), dtype=SCALE_DTYPE, box=box
+        )
+    return out
+
+
+def _scale_box(name: str, meta: TensorMeta, block: int) -> tuple[tuple[int, int], ...]:
+    box = []
+    for dim, ((start, stop), size) in enumerate(zip(meta.held_box, meta.shape, strict=True)):
+        if start % block or (stop % block and stop != size):
+            raise ValueError(
+                f"tensor {name!r}: this rank holds [{start}, {stop}) of dim {dim} (of {size}), "
+                f"which cuts a {block}x{block} FP8 block; shard the trainer's weights on "
+                f"multiples of {block}"
+            )
+        box.append((start // block, -(-stop // block)))
+    return tuple(box)

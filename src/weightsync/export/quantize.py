@@ -124,7 +124,10 @@ def _quantize_torch(
                 )
             # One float32 copy of the part: the product below is formed in float32 anyway
             # (a bf16 weight times a float32 reciprocal), and CPUs are slow on bf16 math.
-            tiles = part.float().reshape(last - first, block, col_blocks, block)
+            # A copy even of a float32 weight: the product below is formed in place.
+            tiles = part.to(torch.float32, copy=True).reshape(
+                last - first, block, col_blocks, block
+            )
             amax = torch.linalg.vector_norm(tiles, float("inf"), dim=(1, 3))
             scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
             scales[index, first:last] = scale

@@ -18,6 +18,7 @@ from weightsync.control.protocol import (
     num_ranks,
     refusal,
     served_dtype,
+    served_fp8_block,
 )
 from weightsync.errors import (
     LayoutMismatchError,
@@ -628,6 +629,12 @@ class SyncManager:
         infos, configs = await asyncio.gather(engine_infos, parallelism)
         self._protocols[url] = protocol
         dtype = served_dtype(server_info)
+        try:
+            fp8_block = served_fp8_block(server_info)
+        except ValueError as exc:
+            raise RemoteReplicaError(
+                f"replica {url}: {exc}", replica=url, route="/server_info"
+            ) from exc
         return tuple(
             TargetRank(
                 replica=url,
@@ -638,6 +645,7 @@ class SyncManager:
                     k: tuple(v) for k, v in info.remote_instance_transfer_engine_info[1].items()
                 },
                 dtype=dtype,
+                fp8_block_size=fp8_block,
                 regions=tuple(map(tuple, info.registered_regions))
                 if info.registered_regions is not None
                 else None,
