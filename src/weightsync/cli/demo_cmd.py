@@ -23,11 +23,19 @@ from rich.table import Table
 
 from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
+from weightsync.layout.families import family_for
 from weightsync.server.lifetime import ParentGoneError, exit_with_parent
 from weightsync.testing.launcher import ServedReplica, start_replicas
-from weightsync.testing.presets import DEMO_PRESETS, preset_config, write_random_checkpoint
+from weightsync.testing.presets import (
+    DEMO_PRESETS,
+    preset_config,
+    write_fp8_checkpoint,
+    write_random_checkpoint,
+)
 
 _PROMPTS = ((1, 17, 42, 7), (5, 99, 3, 250, 11, 8), (600, 2, 2, 31))
+# DeepSeek-V3's and Kimi-K2's FP8 block.
+_FP8_BLOCK = 128
 
 
 def demo(
@@ -39,6 +47,13 @@ def demo(
     model: Annotated[str, typer.Option(help=f"Model preset: {', '.join(DEMO_PRESETS)}.")] = "tiny",
     steps: Annotated[int, typer.Option(help="Optimizer steps (one sync after each).")] = 3,
     dtype: Annotated[str, typer.Option(help="Rollout dtype: bf16, fp16 or fp32.")] = "bf16",
+    rollout_fp8: Annotated[
+        bool,
+        typer.Option(
+            help="Serve a block-FP8 checkpoint (DeepSeek-V3 family): the trainer learns it from "
+            "the replicas and quantises what it syncs."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     workdir: Annotated[
         Path | None, typer.Option(help="Where to put the checkpoint and logs (kept).")
@@ -55,6 +70,11 @@ def demo(
     the replicas and trainer ranks it starts stop when it dies.
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
+    if rollout_fp8 and not family_for(preset_config(model)["model_type"]).deepseek_moe:
+        raise typer.BadParameter(
+            f"block FP8 is laid out for the DeepSeek-V3 family (e.g. tiny-deepseek), not {model}",
+            param_hint="--rollout-fp8",
+        )
     quiet_transformers()
     console = Console(stderr=True)
     own_workdir = workdir is None
@@ -77,10 +97,13 @@ def demo(
         with _progress(console, quiet=False) as progress:
             task = progress.add_task("writing checkpoint", total=steps + 3)
             checkpoint = write_random_checkpoint(root / "checkpoint", preset_config(model), seed=0)
+            served = checkpoint
+            if rollout_fp8:
+                served = write_fp8_checkpoint(root / "checkpoint-fp8", checkpoint, block=_FP8_BLOCK)
             progress.update(task, advance=1, description=f"starting {replicas} replica(s)")
             api_key = secrets.token_hex(16)
             started = start_replicas(
-                checkpoint,
+                served,
                 num_replicas=replicas,
                 tp=rollout_tp,
                 ep=rollout_ep,
@@ -102,6 +125,7 @@ def demo(
                 prompts=_PROMPTS,
                 max_new_tokens=8,
                 transfer_timeout_s=30.0,
+                fp8_block=_FP8_BLOCK if rollout_fp8 else 0,
             )
             ctx = multiprocessing.get_context("spawn")
             events = ctx.Queue()
@@ -283,7 +307,7 @@ def _check_args(
         bad("--steps", "must not be negative")
     if dtype not in ROLLOUT_DTYPE_CHOICES:
         bad("--dtype", f"choose one of {', '.join(ROLLOUT_DTYPE_CHOICES)}")
-    if rollout_ep > 1 and not preset_config(model)["model_type"].endswith("moe"):
+    if rollout_ep > 1 and not family_for(preset_config(model)["model_type"]).moe:
         bad("--rollout-ep", f"expert parallelism needs an MoE model (e.g. tiny-moe), not {model}")
 
 

@@ -33,6 +33,7 @@ class TrainerArgs:
     prompts: tuple[tuple[int, ...], ...]
     max_new_tokens: int
     transfer_timeout_s: float
+    fp8_block: int = 0
 
 
 def run_trainer_rank(rank: int, args: TrainerArgs, events: Any) -> None:
@@ -98,7 +99,13 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
             loss = _train_step(model, optimizer, rank, step, group) if step else None
             report = sync.sync(export)
             if rank == 0:
-                expected = greedy_tokens(model, rollout_dtype, args.prompts, args.max_new_tokens)
+                expected = greedy_tokens(
+                    model,
+                    rollout_dtype,
+                    args.prompts,
+                    args.max_new_tokens,
+                    fp8_block=args.fp8_block,
+                )
                 actual = asyncio.run(
                     served_tokens(
                         args.replica_urls,
