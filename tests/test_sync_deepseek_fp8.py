@@ -6,6 +6,7 @@ of the same seeded model, the FP8 weights and scales to the reference quantiser'
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from test_sender import Receiver
 from weightsync.errors import LayoutMismatchError
 from weightsync.export import Fp8Export, ModelExport
-from weightsync.plan import build_plan
+from weightsync.layout import hf_tensor_shapes, rank_layout
+from weightsync.plan import SourceHolding, TargetRank, TensorMeta, build_plan
 from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import preset_config, random_model
 from weightsync.transport import MooncakeConfig, MooncakeTransport
@@ -96,14 +98,26 @@ def test_fp8_rollout_from_a_float32_trainer(receiver: Receiver, transport) -> No
     sender.close()
 
 
-def test_unquantised_weights_are_refused_by_an_fp8_plan(receiver: Receiver, transport) -> None:
-    sender = _sender(transport)
-    export = ModelExport(random_model(DEEPSEEK_FP8, seed=5))
+def test_unquantised_weights_are_refused_by_an_fp8_plan() -> None:
+    parallelism = {"tp_size": 1, "tp_rank": 0}
+    layout = rank_layout(DEEPSEEK_FP8, parallelism, "bfloat16")
+    addresses = itertools.count(1 << 32, 1 << 24)
+    target = TargetRank(
+        replica="r",
+        rank=0,
+        session_id="127.0.0.1:1",
+        parallelism=parallelism,
+        weights_info={n: (next(addresses), p.numel, p.element_size) for n, p in layout.items()},
+    )
+    # A float32 trainer's tensors, not quantised.
+    tensors = {
+        name: TensorMeta(shape=shape, dtype="float32")
+        for name, shape in hf_tensor_shapes(DEEPSEEK).items()
+    }
     with pytest.raises(LayoutMismatchError, match=r"is float32, but .* float8_e4m3fn .*Fp8Export"):
         build_plan(
             hf_config=DEEPSEEK_FP8,
-            targets=receiver.target_ranks("ds8"),
-            sources=[sender.holding(export)],
+            targets=[target],
+            sources=[SourceHolding(rank=0, tensors=tensors)],
             dtype="bfloat16",
         )
-    sender.close()
