@@ -112,7 +112,7 @@ def test_unquantised_weights_are_refused_by_an_fp8_plan() -> None:
     # A float32 trainer's tensors, not quantised.
     tensors = {
         name: TensorMeta(shape=shape, dtype="float32")
-        for name, shape in hf_tensor_shapes(DEEPSEEK).items()
+        for name, shape in hf_tensor_shapes(preset_config("tiny-deepseek-nolora")).items()
     }
     with pytest.raises(LayoutMismatchError, match=r"is float32, but .* float8_e4m3fn .*Fp8Export"):
         build_plan(

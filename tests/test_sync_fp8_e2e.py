@@ -65,6 +65,8 @@ def test_fp8_replica_is_fed_by_a_float32_trainer(tmp_path) -> None:
         url = replicas[0].url
         info = httpx.get(f"{url}/server_info", timeout=30).json()
         assert (info["quantization"], info["weight_block_size"]) == ("fp8", [BLOCK, BLOCK])
+        # The trainer syncs an MLA model only into replicas that re-derive w_kc / w_vc.
+        assert "post_load_at_update_end" in info["weightsync"]["capabilities"]
         sync_config = ws.SyncConfig(
             sender=ws.SenderConfig(bucket_bytes=4 << 20),
             transport=ws.MooncakeConfig(protocol="tcp", timeout_s=10),

@@ -29,6 +29,12 @@ GET_WEIGHT_VERSION = "get_weight_version"  # GET /get_weight_version (Miles)
 WEIGHT_UPDATE_LEASE = "weight_update_lease"
 # end_weight_update takes the trainers' digests (weightsync.layout.digest) and verifies them.
 WEIGHT_UPDATE_DIGEST = "weight_update_digest"
+# end_weight_update runs the engine's post-load processing (MLA's w_kc / w_vc, FP8 weights'
+# post-processing) over the bytes that arrived in the session.
+POST_LOAD_AT_UPDATE_END = "post_load_at_update_end"
+# The first SGLang release whose end_weight_update re-runs post_load_weights and every
+# process_weights_after_loading when nothing was loaded in the session.
+_SGLANG_POST_LOAD = (0, 5, 23)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +68,20 @@ class ReplicaProtocol:
     def serves(self, capability: str) -> bool:
         """Whether the replica advertised `capability`."""
         return capability in self.capabilities
+
+    def runs_post_load(self) -> bool:
+        """Whether ``end_weight_update`` runs the engine's post-load processing: what one-sided
+        writes need for derived state (MLA's ``w_kc`` / ``w_vc``) to follow the weights.
+        The reference server says so (`POST_LOAD_AT_UPDATE_END`); SGLang from 0.5.23 does."""
+        if self.kind == "weightsync":
+            return self.serves(POST_LOAD_AT_UPDATE_END)
+        numbers = []
+        for part in self.version.split(".")[:3]:
+            digits = "".join(c for c in part if c.isdigit())
+            if not digits:
+                return False
+            numbers.append(int(digits))
+        return tuple(numbers) >= _SGLANG_POST_LOAD
 
     def describe(self) -> str:
         """``"SGLang 0.5.23"`` or ``"weightsync 0.1.0 (parallelism_config, ...)"``."""

@@ -215,6 +215,10 @@ class SyncManager:
         self._ranks.update(fetched)
         return tuple(t for url in replicas for t in self._ranks[url])
 
+    def protocol(self, url: str) -> ReplicaProtocol | None:
+        """What replica `url` serves, once first contact learned it (else None)."""
+        return self._protocols.get(url)
+
     async def update_weights(self, push: PushFn, *, version: str | None = None) -> SyncReport:
         """Run one update through every replica; see the class docstring for the order.
 

@@ -7,10 +7,11 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from weightsync.errors import PartialPushError, WeightsRefusedError
+from weightsync.errors import LayoutMismatchError, PartialPushError, WeightsRefusedError
 from weightsync.export.base import WeightExport
 from weightsync.export.fp8 import Fp8Export, fp8_holding
-from weightsync.layout.config import config_data
+from weightsync.layout.config import config_data, model_dims
+from weightsync.layout.families import family_for
 from weightsync.layout.quant import fp8_quantization_config as fp8_config
 from weightsync.manager.collective import (
     Collective,
@@ -245,6 +246,27 @@ class TrainerSync:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _require_post_load(self, targets: Sequence[TargetRank]) -> None:
+        """Refuse, before any write, replicas whose ``end_weight_update`` does not run the
+        post-load processing this model's derived state needs (MLA's ``w_kc`` / ``w_vc``
+        from ``kv_b_proj``): they would serve stale weights after a one-sided write.
+
+        Raises:
+            LayoutMismatchError: naming the replicas and what to run instead.
+        """
+        assert self._manager is not None  # the driver's
+        stale = []
+        for url in sorted({target.replica for target in targets}):
+            protocol = self._manager.protocol(url)
+            if protocol is not None and not protocol.runs_post_load():
+                stale.append(f"{url} ({protocol.describe()})")
+        if stale:
+            raise LayoutMismatchError(
+                f"replicas {', '.join(stale)} do not run post-load processing at "
+                "end_weight_update, so MLA's w_kc / w_vc would stay those of the old weights "
+                "after this sync; serve with SGLang >= 0.5.23 or weightsync serve"
+            )
+
     def _for_rollout(self, export: WeightExport, fp8_block_size: int) -> WeightExport:
         """`export` as the rollout serves it: through an `Fp8Export` (kept while the same
         export is synced, so its buffers and the push program stay) for an FP8 rollout."""
@@ -275,6 +297,8 @@ class TrainerSync:
         key = (epoch, holdings, block)
         if self._plan_key == key:
             return None
+        if block or family_for(model_dims(self._hf_config).model_type).mla:
+            self._require_post_load(targets)
         hf_config = self._hf_config
         sources: Sequence[SourceHolding] = holdings
         if block:
