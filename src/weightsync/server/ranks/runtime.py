@@ -36,9 +36,20 @@ from weightsync.server.ranks.commands import (
     Shutdown,
 )
 from weightsync.torch_dtypes import dtype_name
-from weightsync.transport import CudaIpcConfig, MooncakeConfig, Transport, open_transport
+from weightsync.transport import (
+    CudaIpcConfig,
+    MooncakeConfig,
+    Transport,
+    open_transport,
+    register_tensor,
+)
 
 logger = logging.getLogger(__name__)
+
+# The scratch region each rank registers beside its parameters, so that a client can test
+# a write and read it back through the real transport without touching a weight
+# (``weightsync doctor``). Its address is served, like every parameter's, with the API key.
+SCRATCH_BYTES = 4096
 
 
 def rank_transport(config: ServeConfig, device: torch.device) -> Transport:
@@ -116,6 +127,9 @@ class RankRuntime:
             for command_type in extension.command_types
         }
         self._extensions = list(extensions)
+        # Never a parameter: no plan targets it, no digest covers it, no session tracks it.
+        self._scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=model.device)
+        self.scratch_region = register_tensor(transport, self._scratch)
         self.context = RankContext(
             tp_rank=tp_rank,
             params=dict(model.named_parameters()),
@@ -220,6 +234,7 @@ class RankRuntime:
             device=str(self.model.device),
             dtype=dtype_name(self.model.dtype),
             regions=[list(region) for region in self.agent.regions],
+            scratch_region=list(self.scratch_region),
         )
 
     def execute(self, command: Command) -> RankReply:
