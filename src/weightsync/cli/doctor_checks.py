@@ -33,6 +33,17 @@ from weightsync.transport.mooncake.engine import MooncakeConfig, rdma_devices
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 HOST = "this host"
+# The rows, in the order they are checked (the guide's troubleshooting page has one entry each).
+HOST_CHECKS = ("mooncake", "transfer engine", "rdma devices", "cuda", "ulimit -l")
+REPLICA_CHECKS = (
+    "reachable",
+    "auth",
+    "protocol",
+    "weights stay in place",
+    "bootstrap info",
+    "parallelism",
+    "transfer",
+)
 # SGLang versions the control protocol was checked against (tests/conformance.py).
 TESTED_SGLANG = ("0.5.23",)
 # Below this, registering a large model's memory for RDMA fails (the NIC pins it).
