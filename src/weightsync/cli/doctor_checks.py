@@ -366,7 +366,7 @@ async def _replica_checks(url: str, options: DoctorOptions, transport: Any) -> l
             "parameter(s) each",
         )
         row(*await _parallelism_row(client, protocol, server_info, ranks))
-        rows.append(await _write_row(url, replies, transport, options))
+        rows.append(await _write_row(url, server_info, replies, transport, options))
     return rows
 
 
@@ -424,11 +424,18 @@ def _parallelism_problem(
 
 
 async def _write_row(
-    url: str, replies: Sequence[Any], transport: Any, options: DoctorOptions
+    url: str,
+    server_info: dict[str, Any],
+    replies: Sequence[Any],
+    transport: Any,
+    options: DoctorOptions,
 ) -> CheckRow:
     """Write a pattern into every rank's scratch region and read it back, through the real
     transport; on a replica that offers none (SGLang), connect to each rank's handshake port
-    instead, which writes nothing."""
+    instead, which writes nothing. A CUDA IPC replica is written by GPU processes of its own
+    host only: the row says whether this host can."""
+    if server_info.get("transport") == "cuda_ipc":
+        return _cuda_ipc_row(url)
     sessions = [reply.remote_instance_transfer_engine_info[0] for reply in replies]
     scratch = [reply.scratch_region for reply in replies]
     if any(region is None for region in scratch):
@@ -477,6 +484,25 @@ async def _write_row(
         status=OK,
         detail=f"wrote {scratch[0][1]} bytes into each of {len(sessions)} rank(s)' scratch "
         f"region over {transport.protocol} and read them back intact",
+    )
+
+
+def _cuda_ipc_row(url: str) -> CheckRow:
+    import torch
+
+    if torch.cuda.is_available():
+        return CheckRow(
+            subject=url,
+            name="transfer",
+            status=OK,
+            detail="CUDA IPC replica: written from GPU processes on its host (no test write)",
+        )
+    return CheckRow(
+        subject=url,
+        name="transfer",
+        status=FAIL,
+        detail="CUDA IPC replica, and this host has no CUDA GPU to write from",
+        fix="run the trainer on the replica's host with GPUs, or serve with --transport mooncake",
     )
 
 
