@@ -124,6 +124,25 @@ def test_a_memory_saver_fails_with_the_flag_to_change(replica):
     assert "enable_memory_saver" in row["detail"] and "--enable-memory-saver" in row["fix"]
 
 
+@pytest.mark.skipif(
+    os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband")),
+    reason="this host has RDMA devices",
+)
+def test_rdma_asked_for_on_a_host_without_rdma_fails_with_what_to_do():
+    rows = {row.name: row for row in run_checks(DoctorOptions(transport="rdma"))}
+    assert rows["transfer engine"].status == FAIL and "--transport" in rows["transfer engine"].fix
+    assert rows["rdma devices"].status == FAIL and "--transport tcp" in rows["rdma devices"].fix
+    assert rows["mooncake"].status == OK
+
+
+def test_bad_options_are_usage_errors():
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "doctor", "--transport", "infiniband"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--transport" in proc.stderr
+
+
 @pytest.mark.sglang
 def test_doctor_on_real_sglang(sglang_servers):
     from conftest import SGLANG_API_KEY

@@ -29,7 +29,7 @@ from weightsync.control.protocol import (
 )
 from weightsync.errors import RemoteReplicaError, WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
-from weightsync.transport.mooncake.engine import MooncakeConfig, rdma_devices
+from weightsync.transport.mooncake.engine import PROTOCOLS, MooncakeConfig, rdma_devices
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 HOST = "this host"
@@ -93,6 +93,15 @@ class DoctorOptions:
     api_key: str | None = None
     transport: str = "auto"
     timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for url in self.replicas:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL {url!r} must start with http:// or https://")
+        if self.transport not in PROTOCOLS:
+            raise ValueError(f"transport must be one of {PROTOCOLS}, not {self.transport!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
 
 def run_checks(

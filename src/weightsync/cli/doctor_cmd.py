@@ -18,7 +18,6 @@ from weightsync.cli.logs import configure_logging
 # Exit codes: a check failed, and bad command-line input.
 _FAILED = 1
 _USAGE_ERROR = 2
-_PROTOCOLS = ("tcp", "rdma", "auto")
 _MARKS = {OK: "[green]✓[/green]", FAIL: "[red]✗[/red]"}
 
 
@@ -59,18 +58,14 @@ def doctor(
     # The environment is read here, at the entry point, and nowhere else.
     api_key = api_key if api_key is not None else os.environ.get("WEIGHTSYNC_API_KEY") or None
     console = Console(stderr=True)
-    if transport not in _PROTOCOLS:
-        _usage(console, f"--transport must be one of {', '.join(_PROTOCOLS)}, not {transport!r}")
-    if not timeout_s > 0:
-        _usage(console, "--timeout-s must be positive")
-    configure_logging(verbose=verbose)
     try:
         options = DoctorOptions(
             replicas=tuple(replica or ()), api_key=api_key, transport=transport,
             timeout_s=timeout_s,
         )  # fmt: skip
     except ValueError as exc:
-        _usage(console, str(exc))
+        _usage(console, str(exc).replace("transport must", "--transport must"))
+    configure_logging(verbose=verbose)
     progress = Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
