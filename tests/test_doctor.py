@@ -11,6 +11,7 @@ import sys
 import aiohttp
 import pytest
 from fastapi import FastAPI, Request, Response
+from typer.testing import CliRunner
 
 from servers import app_in_thread, start_replicas
 from weightsync.cli.doctor_checks import (
@@ -22,6 +23,7 @@ from weightsync.cli.doctor_checks import (
     DoctorOptions,
     run_checks,
 )
+from weightsync.cli.main import app
 from weightsync.testing.presets import preset_config, write_random_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -97,14 +99,12 @@ def test_a_wrong_api_key_fails_auth_and_the_command_exits_1(replica):
     assert rows["reachable"]["status"] == OK
     assert rows["auth"]["status"] == FAIL and "--api-key" in rows["auth"]["fix"]
     assert "transfer" not in rows
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightsync", "doctor", "--replica", replica.url,
-         "--transport", "tcp"],
-        capture_output=True, text=True, timeout=120,
-        env={k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_API_KEY"},
+    result = CliRunner().invoke(
+        app, ["doctor", "--replica", replica.url, "--transport", "tcp"],
+        env={"WEIGHTSYNC_API_KEY": "not-the-key"},
     )  # fmt: skip
-    assert proc.returncode == 1
-    assert "✗" in proc.stdout and "auth" in proc.stdout
+    assert result.exit_code == 1, result.output
+    assert "✗" in result.output and "auth" in result.output
 
 
 def test_a_replica_whose_bootstrap_info_lacks_a_rank_fails(replica):
@@ -135,12 +135,13 @@ def test_rdma_asked_for_on_a_host_without_rdma_fails_with_what_to_do():
     assert rows["mooncake"].status == OK
 
 
-def test_bad_options_are_usage_errors():
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightsync", "doctor", "--transport", "infiniband"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "--transport" in proc.stderr
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [(["--transport", "infiniband"], "--transport"), (["--replica", "host:30000"], "http://")],
+)
+def test_bad_options_are_usage_errors(args, named):
+    result = CliRunner().invoke(app, ["doctor", *args])
+    assert result.exit_code == 2 and named in result.output, result.output
 
 
 @pytest.mark.sglang
