@@ -1,6 +1,12 @@
 """The user guide: it builds with ``mkdocs build --strict``, its Python snippets run against
 the library (and a real replica where they sync), its plots are what their data draws, and
-every row of ``weightsync doctor`` has its troubleshooting entry."""
+every row of ``weightsync doctor`` has its troubleshooting entry.
+
+Every ```` ```python ```` block of a page runs, in order, in one namespace per page; a page
+whose snippets name ``checkpoint``, ``urls`` or ``api_key`` gets them from a real replica of
+the reference server. Code that cannot run here (it needs GPUs, a cluster or another
+framework) is fenced ```` ```py ````, which renders the same and is not run.
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import aiohttp
+import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 from typer.testing import CliRunner
@@ -92,6 +93,12 @@ def test_a_healthy_replica_passes_every_check_and_the_command_exits_0(replica):
     # Mooncake's own start-up lines stay out of the output.
     assert "transfer_metadata.cpp" not in proc.stderr
     assert "InitGoogleLogging" not in proc.stderr
+    # The test writes touched no weight: the replica still serves, its weights complete.
+    assert httpx.get(f"{replica.url}/ready", timeout=30).status_code == 200
+    info = httpx.get(
+        f"{replica.url}/server_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    ).json()
+    assert info["weightsync"]["weights"]["complete"] is True, info["weightsync"]
 
 
 def test_a_wrong_api_key_fails_auth_and_the_command_exits_1(replica):
