@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -44,6 +45,9 @@ from weightsync.errors import WeightSyncError
 
 _LOG = logging.getLogger(__name__)
 _NATIVE_LOG = logging.getLogger("weightsync.transport.mooncake.native")
+# glog's lines: severity, date, time, thread, file:line]; and its note before InitGoogleLogging.
+_GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+_GLOG_NOTE = "WARNING: Logging before InitGoogleLogging()"
 
 PROTOCOLS = ("tcp", "rdma", "auto")
 _METADATA_SERVER = "P2PHANDSHAKE"
@@ -172,8 +176,7 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-    for line in native:
-        _NATIVE_LOG.debug("%s", line)
+    _emit_captured(native)
     if return_code != 0:
         said = "".join(f"\n  {line}" for line in native[-20:])
         raise WeightSyncError(
@@ -213,13 +216,24 @@ def _warn_of_wildcard_listeners(hostname: str, opened: list[tuple[str, int]]) ->
     )
 
 
+def _emit_captured(lines: list[str]) -> None:
+    """Log glog's lines at DEBUG; write the others (another thread's, written to stderr while
+    it was captured) back to stderr."""
+    for line in lines:
+        if _GLOG_LINE.match(line) or line.startswith(_GLOG_NOTE):
+            _NATIVE_LOG.debug("%s", line)
+        else:
+            sys.stderr.write(line + "\n")
+
+
 @contextlib.contextmanager
 def _captured_stderr(lines: list[str]) -> Iterator[None]:
     """Send what this process writes to file descriptor 2 into `lines` while the block runs.
 
     Native code writes to the descriptor, not to ``sys.stderr``, so the descriptor itself is
     pointed at a temporary file and restored afterwards. Other threads writing to stderr
-    during the block (it lasts milliseconds) are captured as well.
+    during the block (it lasts milliseconds) are captured as well; the caller writes lines
+    that are not glog's back to stderr.
     """
     try:
         sys.stderr.flush()
