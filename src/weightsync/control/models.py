@@ -250,11 +250,14 @@ class ErrorResponse(_Response):
 class TransferEngineInfoResponse(_Response):
     """``GET /remote_instance_transfer_engine_info`` (and the bootstrap's
     ``/get_transfer_engine_info``): ``[session_id, weights_info]`` of one rank; the reference
-    server adds the ``[addr, num_bytes]`` regions the rank registered."""
+    server adds the ``[addr, num_bytes]`` regions the rank registered, and the
+    ``[addr, num_bytes]`` scratch region registered beside them that a client may write and
+    read back to test the transport (never a parameter)."""
 
     rank: int
     remote_instance_transfer_engine_info: tuple[str, WeightsInfo]
     registered_regions: list[tuple[int, int]] | None = None
+    scratch_region: tuple[int, int] | None = None
 
 
 class ParallelismConfigModel(_Response):
