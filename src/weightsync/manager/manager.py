@@ -523,13 +523,14 @@ class SyncManager:
                 raise
             if cfg.release_kv_cache:
                 self._released.add(url)
+            # Held from now, not once every replica answered: the renewals start at once.
+            self._sessions[url] = reply.session_token
             self._log_changed_outside(url, reply.changed_outside)
             return reply.session_token
 
         self._paused.update(replicas)
         results = await asyncio.gather(*(begin(u) for u in replicas), return_exceptions=True)
         by_url = dict(zip(replicas, results, strict=True))
-        self._sessions.update({u: r for u, r in by_url.items() if not isinstance(r, BaseException)})
         return await self._drop_failed(replicas, by_url, dropped, "begin_weight_sync")
 
     async def _pause(
