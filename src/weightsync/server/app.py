@@ -336,6 +336,12 @@ def create_main_app(
     return app
 
 
+# A fused call's refusals: a step's 400 (or 503), or 504 past its budget, as the step body.
+STEP_REFUSED: dict[int | str, dict[str, Any]] = {
+    code: {"model": WeightSyncStepResponse} for code in (400, 503, 504)
+}
+
+
 def _add_fused_routes(app: FastAPI, controller: ReplicaController, authorized: list) -> None:
     """``/begin_weight_sync`` and ``/end_weight_sync`` (capability ``weight_sync_fused``)."""
 
@@ -347,7 +353,7 @@ def _add_fused_routes(app: FastAPI, controller: ReplicaController, authorized: l
         "/begin_weight_sync",
         response_model=WeightSyncStepResponse,
         dependencies=authorized,
-        responses={**error_responses(), **SUCCESS_400},
+        responses={**error_responses(), **STEP_REFUSED},
     )
     async def begin_weight_sync(body: BeginWeightSyncRequest | None = None) -> Any:
         """``pause_generation``, ``release_memory_occupation(["kv_cache"])`` and
@@ -375,7 +381,7 @@ def _add_fused_routes(app: FastAPI, controller: ReplicaController, authorized: l
         "/end_weight_sync",
         response_model=WeightSyncStepResponse,
         dependencies=authorized,
-        responses={**error_responses(), **SUCCESS_400},
+        responses={**error_responses(), **STEP_REFUSED},
     )
     async def end_weight_sync(body: EndWeightSyncRequest) -> Any:
         """``update_weight_version``, ``end_weight_update`` (verifying ``digests``), then
