@@ -700,13 +700,18 @@ class SyncManager:
 
         outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
         results = dict(zip(replicas, outcomes, strict=True))
+        unfinished = await self._abandon_unfinished(results)
+        return tuple(u for u, ok in results.items() if ok is True), unfinished
+
+    async def _abandon_unfinished(self, results: dict[str, Any]) -> dict[str, str]:
+        """The replicas whose finish raised, marked dirty and abandoned paused, with why."""
         unfinished = {u: str(r) for u, r in results.items() if isinstance(r, BaseException)}
         if unfinished:
             self._dirty.update(unfinished)
             for url in unfinished:
                 self._served.pop(url, None)
             await self._abandon(tuple(unfinished), resume=False)
-        return tuple(u for u, ok in results.items() if ok is True), unfinished
+        return unfinished
 
     async def _finish_fused(
         self,
@@ -751,12 +756,7 @@ class SyncManager:
 
         outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
         results = dict(zip(replicas, outcomes, strict=True))
-        unfinished = {u: str(r) for u, r in results.items() if isinstance(r, BaseException)}
-        if unfinished:
-            self._dirty.update(unfinished)
-            for url in unfinished:
-                self._served.pop(url, None)
-            await self._abandon(tuple(unfinished), resume=False)
+        unfinished = await self._abandon_unfinished(results)
         done = {u: r for u, r in results.items() if not isinstance(r, BaseException)}
         verified = tuple(u for u, (ok, _) in done.items() if ok)
         resume_failed = {u: exc for u, (_, exc) in done.items() if exc is not None}
