@@ -22,6 +22,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
+from weightsync.cli.logs import configure_logging
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.layout.families import family_for
 from weightsync.server.lifetime import ParentGoneError, exit_with_parent
@@ -59,6 +60,14 @@ def demo(
         Path | None, typer.Option(help="Where to put the checkpoint and logs (kept).")
     ] = None,
     bucket_mb: Annotated[int, typer.Option(help="Sender bucket size in MiB.")] = 64,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            help="Show every trainer rank's weightsync and Mooncake log lines (the replicas' "
+            "are in their logs under --workdir).",
+        ),
+    ] = False,
 ) -> None:
     """Train a small model and sync it into live rollout replicas after every step.
 
@@ -75,6 +84,7 @@ def demo(
             f"block FP8 is laid out for the DeepSeek-V3 family (e.g. tiny-deepseek), not {model}",
             param_hint="--rollout-fp8",
         )
+    configure_logging(verbose=verbose)
     quiet_transformers()
     console = Console(stderr=True)
     own_workdir = workdir is None
@@ -126,6 +136,7 @@ def demo(
                 max_new_tokens=8,
                 transfer_timeout_s=30.0,
                 fp8_block=_FP8_BLOCK if rollout_fp8 else 0,
+                verbose=verbose,
             )
             ctx = multiprocessing.get_context("spawn")
             events = ctx.Queue()

@@ -9,12 +9,13 @@ holds. Every rank takes part in each sync as a source.
 from __future__ import annotations
 
 import asyncio
-import os
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from weightsync.cli.logs import configure_logging
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +35,7 @@ class TrainerArgs:
     max_new_tokens: int
     transfer_timeout_s: float
     fp8_block: int = 0
+    verbose: bool = False
 
 
 def run_trainer_rank(rank: int, args: TrainerArgs, events: Any) -> None:
@@ -43,7 +45,10 @@ def run_trainer_rank(rank: int, args: TrainerArgs, events: Any) -> None:
     ``{"kind": "error", "rank", "message"}`` on failure and ``{"kind": "exit", "rank"}``.
     """
     torch.set_num_threads(1)
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    # Every rank would log the same warnings (where Mooncake listens): rank 0 says them.
+    configure_logging(
+        verbose=args.verbose, prefix=f"trainer rank {rank}: ", quiet_warnings=rank > 0
+    )
     quiet_transformers()
     try:
         _train_and_sync(rank, args, events)

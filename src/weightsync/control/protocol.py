@@ -35,6 +35,10 @@ POST_LOAD_AT_UPDATE_END = "post_load_at_update_end"
 # The first SGLang release whose end_weight_update re-runs post_load_weights and every
 # process_weights_after_loading when nothing was loaded in the session.
 _SGLANG_POST_LOAD = (0, 5, 23)
+# POST /begin_weight_sync (pause, release the KV cache, begin a session) and POST
+# /end_weight_sync (label, end the session, resume, flush, continue): the update lifecycle in
+# two calls instead of eight, with each step's semantics and refusals.
+WEIGHT_SYNC_FUSED = "weight_sync_fused"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
