@@ -61,6 +61,9 @@ class SyncManager:
        update with the check on, ``weights_checker compare``);
     7. ``resume_memory_occupation``, ``flush_cache``, ``continue_generation``.
 
+    With ``config.manage_generation=False`` steps 2 and 7 are the host's: the manager runs
+    1 and 3-6 only, and never pauses or resumes a replica.
+
     Every per-replica call is issued to all replicas at once, each with a deadline
     (``config.lifecycle_timeout_s``). A replica that fails before anything was written (it
     cannot be reached, refuses, times out, or serves with a setting writes cannot serve) is
@@ -447,8 +450,11 @@ class SyncManager:
         )
 
     async def _pause(self, replicas: tuple[str, ...], dropped: dict[str, str]) -> tuple[str, ...]:
-        """Pause generation and release the KV cache; drop (and resume) those that fail."""
+        """Pause generation and release the KV cache; drop (and resume) those that fail.
+        Nothing when the host manages generation (``manage_generation=False``)."""
         cfg = self._config
+        if not cfg.manage_generation:
+            return replicas
         timeout = cfg.lifecycle_timeout_s
         results = await self._call_all(
             replicas, "pause_generation", mode=cfg.pause_mode, timeout_s=timeout
@@ -720,7 +726,10 @@ class SyncManager:
             logger.error("%s", _stay_paused(replicas))
 
     async def _resume(self, replicas: Sequence[str], *, best_effort: bool = False) -> None:
-        """Serve again: take back the KV cache where this update released it, flush, continue."""
+        """Serve again: take back the KV cache where this update released it, flush, continue.
+        Nothing when the host manages generation (``manage_generation=False``)."""
+        if not self._config.manage_generation:
+            return
         call = self._call_all if best_effort else self._on_all
         timeout = self._config.lifecycle_timeout_s
         released = [url for url in replicas if url in self._released]
