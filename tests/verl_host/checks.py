@@ -1,0 +1,202 @@
+"""Checks of the verl backend that need verl but no cluster, run in the verl venv by
+tests/test_verl.py: ``python checks.py TMP_DIR``. Prints, last, one JSON line mapping each
+check to ``"ok"`` or what went wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+@check
+def import_is_cheap() -> None:
+
+    t0 = time.perf_counter()
+    import weightsync.integrations.verl  # noqa: F401
+
+    seconds = time.perf_counter() - t0
+    heavy = [
+        m
+        for m in ("weightsync.plan", "weightsync.sender", "weightsync.manager", "mooncake")
+        if m in sys.modules
+    ]
+    if heavy:
+        raise AssertionError(f"importing the backend loaded {heavy}")
+    if seconds > 2.0:
+        raise AssertionError(f"importing the backend took {seconds:.2f} s")
+
+
+@check
+def registered_under_both_names() -> None:
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+    from weightsync.integrations.verl import WeightsyncCheckpointEngine
+
+    for name in ("weightsync", "p2p"):
+        if CheckpointEngineRegistry.get(name) is not WeightsyncCheckpointEngine:
+            raise AssertionError(f"{name} is {CheckpointEngineRegistry.get(name)}")
+    if not issubclass(WeightsyncCheckpointEngine, CheckpointEngine):
+        raise AssertionError("not a verl CheckpointEngine")
+    actor = CheckpointEngineRegistry.new(
+        "p2p",
+        is_master=True,
+        bucket_size=8 << 20,
+        model_path="/m",
+        update_weights_bucket_megabytes=3,
+    )
+    rollout = CheckpointEngineRegistry.new("weightsync", bucket_size=8 << 20, model_path="/m")
+    if not actor.is_actor or rollout.is_actor or actor.bucket_bytes != 3 << 20:
+        raise AssertionError("sides or bucket size wrong")
+    if rollout.bucket_bytes != 8 << 20:
+        raise AssertionError("verl's bucket size is not the default")
+
+
+@check
+def bad_engine_kwargs_are_refused_by_name() -> None:
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    cases = [
+        ({}, "model_path is required"),
+        ({"model_path": "/m", "bucket_mb": 1}, "unknown key(s) ['bucket_mb']"),
+        (
+            {"model_path": "/m", "update_weights_bucket_megabytes": 0},
+            "update_weights_bucket_megabytes",
+        ),
+        (
+            {"model_path": "/m", "update_weights_bucket_megabytes": "64"},
+            "update_weights_bucket_megabytes",
+        ),
+        ({"model_path": "/m", "check_weight_update_equal": "yes"}, "check_weight_update_equal"),
+        (
+            {"model_path": "/m", "check_weight_update_allow_quant_error": 1},
+            "check_weight_update_allow_quant_error",
+        ),
+        ({"model_path": "/m", "transfer_num_workers": 0}, "transfer_num_workers"),
+        ({"model_path": "/m", "transfer_timeout_s": -1}, "transfer_timeout_s"),
+        ({"model_path": "/m", "transfer_timeout_s": float("inf")}, "transfer_timeout_s"),
+        ({"model_path": "/m", "transport": "nvlink"}, "transport='nvlink'"),
+        ({"model_path": "/m", "api_key": ""}, "api_key"),
+        ({"model_path": "/m", "server_actor_name": "srv_{replica}"}, "server_actor_name"),
+        ({"model_path": "/m", "lifecycle_timeout_s": 0}, "lifecycle_timeout_s"),
+    ]
+    for kwargs, expected in cases:
+        try:
+            CheckpointEngineRegistry.new("weightsync", bucket_size=1 << 20, **kwargs)
+        except ValueError as exc:
+            if expected not in str(exc) or "engine_kwargs.weightsync" not in str(exc):
+                raise AssertionError(f"{kwargs}: {exc}") from exc
+        else:
+            raise AssertionError(f"{kwargs} was accepted")
+    from weightsync.integrations.verl import VerlOptions
+
+    try:
+        VerlOptions(model_path="/nonexistent").hf_config()
+    except ValueError as exc:
+        if "/nonexistent" not in str(exc):
+            raise
+    else:
+        raise AssertionError("a missing config.json was accepted")
+
+
+@check
+def sglang_memory_saver_and_shared_bootstrap_port_are_refused() -> None:
+    from verl.workers.config import RolloutConfig
+
+    from weightsync.integrations.verl.hook import ManagerHook, port_collisions, refusal
+
+    def replica(rank: int, sglang: dict, port: int | None = None, host: str = "10.0.0.1"):
+        config = RolloutConfig(name="sglang", engine_kwargs={"sglang": sglang})
+        return SimpleNamespace(
+            replica_rank=rank,
+            config=config,
+            server_address=f"{host}:{8000 + rank}",
+            engine_info_bootstrap_port=port,
+            workers=[],
+        )
+
+    seed = {"remote_instance_weight_loader_start_seed_via_transfer_engine": True}
+    default = refusal(replica(0, {}))
+    if default is None or "enable_memory_saver=false" not in default:
+        raise AssertionError(f"verl's default memory saver: {default}")
+    explicit = refusal(replica(0, {**seed, "enable_memory_saver": True}))
+    if explicit is None or "memory saver" not in explicit:
+        raise AssertionError(f"memory saver on: {explicit}")
+    unseeded = refusal(replica(0, {"enable_memory_saver": False}))
+    if unseeded is None or "start_seed_via_transfer_engine=true" not in unseeded:
+        raise AssertionError(f"no seed: {unseeded}")
+    if refusal(replica(0, seed)) is not None:  # the patch turns the saver off under the seed
+        raise AssertionError("a seeded replica was refused")
+    hook = ManagerHook(SimpleNamespace(actor_wg=None))
+    try:
+        hook.on_replicas_changed([replica(0, {})], added=[replica(0, {})], removed=[])
+    except ValueError as exc:
+        if "replica 0" not in str(exc) or "enable_memory_saver" not in str(exc):
+            raise
+    else:
+        raise AssertionError("the hook accepted the memory saver")
+    same = [replica(0, seed, 6789), replica(1, seed, 6789)]
+    if not port_collisions(same) or port_collisions([same[0], replica(1, seed, 6789, "10.0.0.2")]):
+        raise AssertionError("bootstrap port collisions misjudged")
+    try:
+        hook.on_replicas_changed(same, added=same, removed=[])
+    except ValueError as exc:
+        if "share engine-info bootstrap port 6789" not in str(exc):
+            raise
+    else:
+        raise AssertionError("the hook accepted a shared bootstrap port")
+
+
+@check
+def patch_applies_once_to_verl_0_9_1_and_refuses_others(tmp: Path) -> None:
+    import verl
+
+    from weightsync.integrations.verl.patches import apply_patch, is_patched
+
+    clean = tmp / "clean"
+    shutil.copytree(Path(verl.__file__).parent, clean / "verl")
+    if is_patched(clean) or not apply_patch(clean, dry_run=True) or is_patched(clean):
+        raise AssertionError("the dry run changed something, or found nothing to apply")
+    if not apply_patch(clean) or not is_patched(clean) or apply_patch(clean):
+        raise AssertionError("the patch did not apply exactly once")
+    other = tmp / "other"
+    shutil.copytree(Path(verl.__file__).parent, other / "verl")
+    base = other / "verl" / "checkpoint_engine" / "base.py"
+    base.write_text(base.read_text().replace("replicas_set = set(replicas)", "gone = 1"))
+    try:
+        apply_patch(other)
+    except ValueError as exc:
+        if "does not apply" not in str(exc):
+            raise
+    else:
+        raise AssertionError("the patch applied to an edited verl")
+    if is_patched(other) or "gone = 1" not in base.read_text():
+        raise AssertionError("a refused patch changed files")
+
+
+def main() -> int:
+    tmp = Path(sys.argv[1])
+    report = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn(tmp) if fn.__code__.co_argcount else fn()
+            report[name] = "ok"
+        except Exception:
+            report[name] = traceback.format_exc(limit=3)[-1500:]
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
