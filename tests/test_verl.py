@@ -34,15 +34,6 @@ def verl_venv() -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(verl_venv) -> Iterator[RayCluster]:
-    cluster = start_ray(verl_venv)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A tiny random Qwen3 in float32 (the replicas compute in it, as the trainer does)."""
     import torch
@@ -51,6 +42,26 @@ def checkpoint(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("verl-qwen3")
     return write_random_checkpoint(path, preset_config("tiny"), dtype=torch.float32, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(verl_venv) -> Iterator[RayCluster]:
+    """One Ray head node on 127.0.0.1 for every scenario of this module."""
+    cluster = start_ray(verl_venv)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def replica_sets(ray_cluster, checkpoint, tmp_path_factory) -> Iterator[dict]:
+    """Three fresh `weightsync serve` replicas per scenario, all started at once while the
+    Ray head node comes up."""
+    logs = tmp_path_factory.mktemp("verl-replicas")
+    with serve_replicas(checkpoint, num_replicas=6, log_dir=logs) as replicas:
+        ray_cluster.wait_ready()
+        yield {"stock": replicas[:3], "patched": replicas[3:]}
 
 
 def run_in_verl(
@@ -77,26 +88,35 @@ def run_in_verl(
 
 
 def scenario(
-    venv: Path, cluster: RayCluster, checkpoint: Path, tmp_path: Path, *, patched: bool
+    venv: Path,
+    cluster: RayCluster,
+    replicas: list,
+    checkpoint: Path,
+    tmp_path: Path,
+    *,
+    patched: bool,
 ) -> tuple[dict, str]:
-    with serve_replicas(checkpoint, num_replicas=3, log_dir=tmp_path / "replicas") as replicas:
-        out = tmp_path / "result.json"
-        args = [str(HERE / "scenario.py"), "--ray-address", cluster.address]
-        args += ["--checkpoint", str(checkpoint), "--out", str(out)]
-        for r in replicas:
-            args += ["--replica", f"{r.url},{r.bootstrap_port}"]
-        if patched:
-            args.append("--patched")
-        t0 = time.perf_counter()
-        log = run_in_verl(venv, args, patched=patched, timeout_s=300, cluster=cluster)
-        result = json.loads(out.read_text())
-        result["timings"]["subprocess"] = round(time.perf_counter() - t0, 3)
+    out = tmp_path / "result.json"
+    args = [str(HERE / "scenario.py"), "--ray-address", cluster.address]
+    args += ["--checkpoint", str(checkpoint), "--out", str(out)]
+    for r in replicas:
+        args += ["--replica", f"{r.url},{r.bootstrap_port}"]
+    if patched:
+        args.append("--patched")
+    t0 = time.perf_counter()
+    log = run_in_verl(venv, args, patched=patched, timeout_s=400, cluster=cluster)
+    result = json.loads(out.read_text())
+    result["timings"]["subprocess"] = round(time.perf_counter() - t0, 3)
     print(json.dumps(result["timings"]), file=sys.stderr)
     return result, log
 
 
-def test_stock_verl_drives_weightsync(verl_venv, ray_cluster, checkpoint, tmp_path) -> None:
-    result, log = scenario(verl_venv, ray_cluster, checkpoint, tmp_path, patched=False)
+def test_stock_verl_drives_weightsync(
+    verl_venv, ray_cluster, replica_sets, checkpoint, tmp_path
+) -> None:
+    result, log = scenario(
+        verl_venv, ray_cluster, replica_sets["stock"], checkpoint, tmp_path, patched=False
+    )
     assert "site-packages/verl/" in result["verl_base"]
     assert result["backend_class"].endswith("integrations.verl.backend.WeightsyncCheckpointEngine")
     updates = result["updates"]
@@ -112,8 +132,12 @@ def test_stock_verl_drives_weightsync(verl_venv, ray_cluster, checkpoint, tmp_pa
     assert len({e["num_tensors"] for e in result["exports"]}) == 1
 
 
-def test_patched_verl_runs_the_p2p_lifecycle(verl_venv, ray_cluster, checkpoint, tmp_path) -> None:
-    result, log = scenario(verl_venv, ray_cluster, checkpoint, tmp_path, patched=True)
+def test_patched_verl_runs_the_p2p_lifecycle(
+    verl_venv, ray_cluster, replica_sets, checkpoint, tmp_path
+) -> None:
+    result, log = scenario(
+        verl_venv, ray_cluster, replica_sets["patched"], checkpoint, tmp_path, patched=True
+    )
     assert "verl-patched/verl/" in result["verl_base"]
     updates = result["updates"]
     assert sorted(updates) == ["1", "2", "3", "5"]

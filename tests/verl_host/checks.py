@@ -22,16 +22,23 @@ def check(fn):
 
 @check
 def import_is_cheap() -> None:
+    # What verl has loaded where it imports a plugin (it builds the engine right after).
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
+    CheckpointEngineRegistry.get("naive")
+    before = set(sys.modules)
     t0 = time.perf_counter()
     import weightsync.integrations.verl  # noqa: F401
 
     seconds = time.perf_counter() - t0
-    heavy = [
+    loaded = set(sys.modules) - before
+    heavy = sorted(
         m
-        for m in ("weightsync.plan", "weightsync.sender", "weightsync.manager", "mooncake")
-        if m in sys.modules
-    ]
+        for m in loaded
+        if m.split(".")[0] in ("mooncake", "aiohttp", "fastapi")
+        or m.startswith(("weightsync.plan", "weightsync.sender", "weightsync.manager"))
+        or m.startswith(("weightsync.transport", "weightsync.layout", "weightsync.export"))
+    )
     if heavy:
         raise AssertionError(f"importing the backend loaded {heavy}")
     if seconds > 2.0:
@@ -162,16 +169,28 @@ def sglang_memory_saver_and_shared_bootstrap_port_are_refused() -> None:
 def patch_applies_once_to_verl_0_9_1_and_refuses_others(tmp: Path) -> None:
     import verl
 
-    from weightsync.integrations.verl.patches import apply_patch, is_patched
+    from weightsync.integrations.verl.patches import PATCH_FILE, apply_patch, is_patched
+
+    installed = Path(verl.__file__).parent.parent
+    touched = [
+        line[len("+++ b/") :].strip()
+        for line in PATCH_FILE.read_text().splitlines()
+        if line.startswith("+++ b/")
+    ]
+
+    def copy_of_installed(root: Path) -> None:  # the files the patch touches
+        for path in touched:
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(installed / path, root / path)
 
     clean = tmp / "clean"
-    shutil.copytree(Path(verl.__file__).parent, clean / "verl")
+    copy_of_installed(clean)
     if is_patched(clean) or not apply_patch(clean, dry_run=True) or is_patched(clean):
         raise AssertionError("the dry run changed something, or found nothing to apply")
     if not apply_patch(clean) or not is_patched(clean) or apply_patch(clean):
         raise AssertionError("the patch did not apply exactly once")
     other = tmp / "other"
-    shutil.copytree(Path(verl.__file__).parent, other / "verl")
+    copy_of_installed(other)
     base = other / "verl" / "checkpoint_engine" / "base.py"
     base.write_text(base.read_text().replace("replicas_set = set(replicas)", "gone = 1"))
     try:

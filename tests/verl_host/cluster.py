@@ -79,6 +79,21 @@ class RayCluster:
     log_path: Path
     env: dict[str, str]
 
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Wait until the head node accepts drivers.
+
+        Raises:
+            RuntimeError: ``ray start`` exited or did not come up in time (its log tail).
+        """
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in self.log_path.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(
+                    f"ray start did not come up (exit {self.process.poll()}):\n{tail}"
+                )
+            time.sleep(0.2)
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the head node and everything it started."""
         if self.process.poll() is None:
@@ -91,12 +106,8 @@ class RayCluster:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def start_ray(venv: Path, *, timeout_s: float = 120.0) -> RayCluster:
-    """Start a head node from the verl venv and wait until it accepts drivers.
-
-    Raises:
-        RuntimeError: ``ray start`` exited or did not come up in time (its log tail).
-    """
+def start_ray(venv: Path) -> RayCluster:
+    """Start a head node from the verl venv; `RayCluster.wait_ready` waits until it is up."""
     temp_dir = Path(tempfile.mkdtemp(prefix="wsray", dir="/tmp"))
     log_path = temp_dir / "ray-start.log"
     token_path = temp_dir / "auth_token"
@@ -114,22 +125,16 @@ def start_ray(venv: Path, *, timeout_s: float = 120.0) -> RayCluster:
     ]  # fmt: skip
     env = {**verl_env(venv, patched=False), **auth}
     env.pop("PYTHONPATH")
+    # No idle workers started ahead of need: each one imports Ray on these few cores.
+    env.update({"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"})
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    cluster = RayCluster(
+    return RayCluster(
         address=f"127.0.0.1:{gcs}",
         process=process,
         temp_dir=temp_dir,
         log_path=log_path,
         env=auth,
     )
-    deadline = time.monotonic() + timeout_s
-    while "Ray runtime started" not in log_path.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            cluster.stop()
-            raise RuntimeError(f"ray start did not come up (exit {process.poll()}):\n{tail}")
-        time.sleep(0.2)
-    return cluster
