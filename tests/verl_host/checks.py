@@ -134,6 +134,15 @@ def sglang_memory_saver_and_shared_bootstrap_port_are_refused() -> None:
         )
 
     seed = {"remote_instance_weight_loader_start_seed_via_transfer_engine": True}
+    from weightsync.integrations.verl.backend import verl_advice
+
+    # Stock verl: SyncManager refuses the replica from its /server_info; the backend adds
+    # the verl key to change.
+    advice = verl_advice("enable_memory_saver=True: the memory saver frees ... weight memory")
+    if advice is None or "engine_kwargs.sglang.enable_memory_saver=false" not in advice:
+        raise AssertionError(f"stock verl advice: {advice}")
+    if verl_advice("not reachable") is not None:
+        raise AssertionError("advice for an unrelated failure")
     default = refusal(replica(0, {}))
     if default is None or "enable_memory_saver=false" not in default:
         raise AssertionError(f"verl's default memory saver: {default}")
@@ -189,6 +198,8 @@ def patch_applies_once_to_verl_0_9_1_and_refuses_others(tmp: Path) -> None:
         raise AssertionError("the dry run changed something, or found nothing to apply")
     if not apply_patch(clean) or not is_patched(clean) or apply_patch(clean):
         raise AssertionError("the patch did not apply exactly once")
+    for path in touched:  # every patched file still compiles (SGLang, Megatron: not importable)
+        compile((clean / path).read_text(), str(clean / path), "exec")
     other = tmp / "other"
     copy_of_installed(other)
     base = other / "verl" / "checkpoint_engine" / "base.py"

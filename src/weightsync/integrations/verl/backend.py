@@ -197,7 +197,17 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         if sync.manager is not None:
             self._follow_membership(sync)
         version = None if global_steps is None else str(global_steps)
-        report = sync.sync(TensorsExport(tensors), version=version)
+        try:
+            report = sync.sync(TensorsExport(tensors), version=version)
+        except Exception as exc:
+            advice = verl_advice(str(exc))
+            if advice is not None:
+                exc.add_note(advice)
+            raise
+        for url, why in report.dropped.items():
+            advice = verl_advice(why)
+            if advice is not None:
+                logger.error("replica %s was not updated: %s; %s", url, why, advice)
         self.last_report = report
         return {
             "weightsync/seconds": report.seconds,
@@ -271,6 +281,16 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             protocol=self.options.transport,
             timeout_s=max(5.0, self.options.transfer_timeout_s),
         )
+
+
+def verl_advice(reason: str) -> str | None:
+    """The verl setting to change for a replica refused for `reason`, or None."""
+    if "enable_memory_saver" in reason:
+        return (
+            "verl starts SGLang with the memory saver on unless told otherwise: set "
+            "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_memory_saver=false"
+        )
+    return None
 
 
 def _node_ip() -> str:
