@@ -107,7 +107,8 @@ def scenario(
     log = run_in_verl(venv, args, patched=patched, timeout_s=400, cluster=cluster)
     result = json.loads(out.read_text())
     result["timings"]["subprocess"] = round(time.perf_counter() - t0, 3)
-    print(json.dumps(result["timings"]), file=sys.stderr)
+    # Shown when a test fails: what the scenario saw.
+    print(json.dumps(result, default=str)[:8000], file=sys.stderr)
     return result, log
 
 

@@ -243,7 +243,7 @@ def main() -> int:
         except Exception as exc:  # the trainer sees the failure
             if "injected sender failure" not in str(exc):
                 raise
-            result["failure"] = {"type": type(exc).__name__, "message": str(exc)[-800:]}
+            result["failure"] = {"type": type(exc).__name__, "message": str(exc)[-20000:]}
         else:
             raise AssertionError("update 4 did not fail")
         # Every session ended; a replica holds either the whole new version (its writes all

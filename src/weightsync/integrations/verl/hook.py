@@ -18,6 +18,7 @@ The patched ``CheckpointEngineManager`` creates one through
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
@@ -119,7 +120,7 @@ class ManagerHook:
         actor_wg = self._manager.actor_wg
         try:
             refs = actor_wg.execute_checkpoint_engine(["paused_replicas"] * actor_wg.world_size)
-            answers = [await ref for ref in refs]
+            answers = await asyncio.gather(*refs)
         except Exception as exc:  # the actors may be what failed
             logger.error(
                 "update %s failed (%s) and the actor ranks cannot say which replicas were "
