@@ -118,6 +118,26 @@ def bad_engine_kwargs_are_refused_by_name() -> None:
 
 
 @check
+def stock_verl_worker_names_give_the_replica() -> None:
+    from weightsync.integrations.verl.replicas import replica_rank_of, url_of
+
+    # As RolloutReplica.init_standalone / init_colocated and RayWorkerGroup name them.
+    cases = {
+        "rollout_standalone_3CheckpointEngineWorker_0:1": 3,
+        "rollout_standalone_12_evalCheckpointEngineWorker_1:0": 12,
+        "rollout_colocate_0CheckpointEngineWorker_0:0": 0,
+        "rollout_reward_standalone_1CheckpointEngineWorker_0:0": None,
+        "rollout_standalone_x": None,
+        None: None,
+    }
+    for name, rank in cases.items():
+        if replica_rank_of(name) != rank:
+            raise AssertionError(f"{name!r}: {replica_rank_of(name)}, expected {rank}")
+    if url_of("10.0.0.1:8000") != "http://10.0.0.1:8000" or url_of("http://h:1") != "http://h:1":
+        raise AssertionError("url_of")
+
+
+@check
 def sglang_memory_saver_and_shared_bootstrap_port_are_refused() -> None:
     from verl.workers.config import RolloutConfig
 
