@@ -27,6 +27,14 @@ class ControlConfig:
         pause_mode: how in-flight requests are paused (``abort``, ``retract``, ``in_place``).
         selector: which weights a session updates (``target``, ``draft``, ``all``).
         release_kv_cache: release the KV cache during the update and resume it after.
+        manage_generation: run the whole lifecycle (True), or only weightsync's part of it
+            (False): begin, metadata, push, version and end, with no ``pause_generation``,
+            ``release_memory_occupation``, ``resume_memory_occupation``, ``flush_cache`` or
+            ``continue_generation``, for a host that pauses generation and releases the KV
+            cache before the update and resumes and flushes after it (verl's
+            ``CheckpointEngineManager``). A failure after writing began still ends every
+            session; the replicas then hold their weights incomplete, and the host must keep
+            them paused (`SyncManager.dirty_replicas` names them).
         http_timeout_s: per-request timeout of control-plane calls that fetch metadata.
         check_timeout_s: timeout of the weights checker's calls (they touch every parameter).
         lifecycle_timeout_s: deadline of each lifecycle call (pause, release, begin, version,
@@ -48,6 +56,7 @@ class ControlConfig:
     pause_mode: str = "abort"
     selector: str = "target"
     release_kv_cache: bool = True
+    manage_generation: bool = True
     http_timeout_s: float = 60.0
     check_timeout_s: float = 600.0
     lifecycle_timeout_s: float = 10.0
@@ -64,6 +73,11 @@ class ControlConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"ControlConfig.{name} must be positive, got {value!r}")
+        if not isinstance(self.manage_generation, bool):
+            raise ValueError(
+                f"ControlConfig.manage_generation must be True or False, got "
+                f"{self.manage_generation!r}"
+            )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ControlConfig.api_key must not be empty; use None for no key")
 

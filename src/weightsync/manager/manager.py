@@ -73,6 +73,10 @@ class SyncManager:
     take the eight calls. While the bit-exact check still has to compare, steps 6-7 are the
     separate calls, so that ``compare`` runs before any replica serves again.
 
+    With ``config.manage_generation=False`` steps 2 and 7 are the host's: the manager runs
+    1 and 3-6 only, and never pauses or resumes a replica (the fused calls then skip their
+    pause and resume steps).
+
     Every per-replica call is issued to all replicas at once, each with a deadline
     (``config.lifecycle_timeout_s``). A replica that fails before anything was written (it
     cannot be reached, refuses, times out, or serves with a setting writes cannot serve) is
@@ -508,8 +512,8 @@ class SyncManager:
             leased = self._protocols[url].serves(WEIGHT_UPDATE_LEASE)
             try:
                 reply = await self._clients[url].begin_weight_sync(
-                    pause_mode=cfg.pause_mode,
-                    release_kv_cache=cfg.release_kv_cache,
+                    pause_mode=cfg.pause_mode if cfg.manage_generation else None,
+                    release_kv_cache=cfg.release_kv_cache and cfg.manage_generation,
                     selector=cfg.selector,
                     lease_s=cfg.lease_s if leased else None,
                     # One call's deadline for the three (a lease must not lapse meanwhile).
@@ -523,17 +527,18 @@ class SyncManager:
             except BaseException:
                 # Unknown how far it got; a server with the fused calls resumes memory it
                 # did not release harmlessly, so take it back to be sure.
-                if cfg.release_kv_cache:
+                if cfg.release_kv_cache and cfg.manage_generation:
                     self._released.add(url)
                 raise
-            if cfg.release_kv_cache:
+            if cfg.release_kv_cache and cfg.manage_generation:
                 self._released.add(url)
             # Held from now, not once every replica answered: the renewals start at once.
             self._sessions[url] = reply.session_token
             self._log_changed_outside(url, reply.changed_outside)
             return reply.session_token
 
-        self._paused.update(replicas)
+        if cfg.manage_generation:
+            self._paused.update(replicas)
         results = await asyncio.gather(*(begin(u) for u in replicas), return_exceptions=True)
         by_url = dict(zip(replicas, results, strict=True))
         return await self._drop_failed(replicas, by_url, dropped, "begin_weight_sync")
@@ -542,8 +547,11 @@ class SyncManager:
         self, replicas: tuple[str, ...], dropped: dict[str, str], *, must_remain: bool = True
     ) -> tuple[str, ...]:
         """Pause generation and release the KV cache; drop (and resume) those that fail
-        (raise when none remains, with `must_remain`)."""
+        (raise when none remains, with `must_remain`). Nothing when the host manages
+        generation (``manage_generation=False``)."""
         cfg = self._config
+        if not cfg.manage_generation:
+            return replicas
         timeout = cfg.lifecycle_timeout_s
         results = await self._call_all(
             replicas, "pause_generation", mode=cfg.pause_mode, timeout_s=timeout
@@ -743,6 +751,7 @@ class SyncManager:
                     new_version=new_version,
                     session_token=token,
                     digests=digests[url] if verify else None,
+                    resume=self._config.manage_generation,
                     resume_kv_cache=url in self._released,
                     budget_s=timeout,
                     timeout_s=timeout + _REPLY_MARGIN_S,
@@ -882,7 +891,10 @@ class SyncManager:
             logger.error("%s", _stay_paused(replicas))
 
     async def _resume(self, replicas: Sequence[str], *, best_effort: bool = False) -> None:
-        """Serve again: take back the KV cache where this update released it, flush, continue."""
+        """Serve again: take back the KV cache where this update released it, flush, continue.
+        Nothing when the host manages generation (``manage_generation=False``)."""
+        if not self._config.manage_generation:
+            return
         call = self._call_all if best_effort else self._on_all
         timeout = self._config.lifecycle_timeout_s
         released = [url for url in replicas if url in self._released]
