@@ -111,7 +111,8 @@ def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:rows, :cols] = x
     view = padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // BLOCK, BLOCK)
     amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    scale = amax / 448.0
+    # Correctly rounded (a tensor divisor: CUDA torch multiplies by 1/448 for a number).
+    scale = amax / torch.full_like(amax, 448.0)
     codes = (view * (1.0 / scale)).to(torch.float8_e4m3fn)
     return codes.view_as(padded)[:rows, :cols].contiguous(), scale.view(
         padded.shape[0] // BLOCK, padded.shape[1] // BLOCK

@@ -107,3 +107,21 @@ def test_fp8_export_quantises_views_of_fused_experts_and_passes_the_rest() -> No
     export.begin_push()
     scale = dict(export)["model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv"]
     assert torch.equal(scale, reference_quantize(gate_up[1, :24], 8)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_the_gpu_quantiser_equals_the_reference(dtype, kernel, monkeypatch) -> None:
+    from weightsync.export import quantize
+
+    if kernel == "torch":
+        monkeypatch.setattr(quantize, "_triton_kernel", lambda: None)
+    elif quantize._triton_kernel() is None:
+        pytest.skip("Triton is not installed")
+    x = _weight((3, 600, 520), dtype, seed=7)
+    ref_codes, ref_scales = reference_quantize(x, 128)
+    codes, scales = quantize_block_fp8(x.cuda(), block=128)
+    assert torch.equal(_bits(codes.cpu()), _bits(ref_codes))
+    assert torch.equal(_bits(scales.cpu()), _bits(ref_scales))

@@ -160,7 +160,7 @@ def test_update_weights_from_tensor_over_cuda_ipc_is_bit_exact(replica, model_di
     manager = SyncManager([replica.url], ControlConfig(api_key=API_KEY))
     sync = TensorSync(
         hf_config=config,
-        config=BroadcastConfig(bucket_bytes=1 << 20, timeout_s=120.0),
+        config=BroadcastConfig(bucket_bytes=64 << 10, timeout_s=120.0),
         manager=manager,
         dtype="bfloat16",
     )

@@ -129,7 +129,9 @@ def _quantize_torch(
                 last - first, block, col_blocks, block
             )
             amax = torch.linalg.vector_norm(tiles, float("inf"), dim=(1, 3))
-            scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+            # A tensor divisor: torch on CUDA turns a division by a Python number into a
+            # product with its rounded reciprocal, which is not the correctly rounded quotient.
+            scale = amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
             scales[index, first:last] = scale
             tiles.mul_((1.0 / scale)[:, None, :, None])
             quantised = tiles.to(FP8).reshape(part.shape)
