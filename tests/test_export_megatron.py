@@ -1,5 +1,7 @@
-"""`MegatronExport`: a Megatron-core rank's boxes of HF tensors, read without a collective,
-equal Megatron-Bridge's export of the same trained model, and together cover every tensor.
+"""A Megatron-core trainer as a source: each rank's boxes of HF tensors, read without a
+collective, equal Megatron-Bridge's export of the same trained model and together cover every
+tensor; synced straight from the shards into a reference replica of another tp / ep, the
+replica holds the Bridge export bit for bit and generates what it generates.
 
 One 4-rank gloo group trains each configuration a few real steps (TP2, PP2, TP2×PP2 and TP4
 with fewer key-value groups than TP ranks for a dense Qwen3; EP2 and PP2×EP2 for a Qwen3-MoE);
@@ -21,14 +23,17 @@ from weightsync.testing.presets import preset_config
 
 DENSE = preset_config("tiny")
 MOE = preset_config("tiny-moe", mlp_only_layers=[], num_experts=4)
+# case: (config, the trainer's parallel sizes, the replica's tp and ep)
 CASES = {
-    "dense-tp2": (DENSE, {"tp": 2}),
-    "dense-pp2": (DENSE, {"pp": 2}),
-    "dense-tp2-pp2": (DENSE, {"tp": 2, "pp": 2}),
-    "dense-tp4": (DENSE, {"tp": 4}),
-    "moe-ep2": (MOE, {"ep": 2}),
-    "moe-pp2-ep2": (MOE, {"pp": 2, "ep": 2}),
+    "dense-tp2": (DENSE, {"tp": 2}, {"tp": 1}),
+    "dense-pp2": (DENSE, {"pp": 2}, {"tp": 2}),
+    "dense-tp2-pp2": (DENSE, {"tp": 2, "pp": 2}, {"tp": 1}),
+    "dense-tp4": (DENSE, {"tp": 4}, {"tp": 2}),
+    "moe-ep2": (MOE, {"ep": 2}, {"tp": 2}),
+    "moe-pp2-ep2": (MOE, {"pp": 2, "ep": 2}, {"tp": 1}),
 }
+PROMPTS = ((3, 14, 15, 92, 65), (2, 71, 82))
+NEW_TOKENS = 5
 WORLD = 4
 STEPS = 2
 
@@ -48,8 +53,10 @@ def test_qkv_rows_split_per_query_group() -> None:
     assert qkv_row_pieces(2, 2, 16, 16, 40) == [(16, 32, "q", 16), (32, 40, "k", 0)]
 
 
-def _megatron_rank(rank: int, group, cases: list[str]) -> dict:
-    """Train every case, export it under `no_collectives`, compare with Megatron-Bridge."""
+def _megatron_rank(rank: int, group, cases: list[str], tmp: str) -> dict:
+    """Train every case, export it under `no_collectives`, compare with Megatron-Bridge, and
+    sync it into a replica that serves the Bridge export (which the sync's check snapshots,
+    corrupts and compares)."""
     import time
 
     from weightsync.testing.collectives import no_collectives
@@ -57,7 +64,7 @@ def _megatron_rank(rank: int, group, cases: list[str]) -> dict:
 
     results = {}
     for case in cases:
-        config, parallel = CASES[case]
+        config, parallel, replica = CASES[case]
         trainer = MegatronTrainer(config, **parallel)
         try:
             losses = trainer.train(STEPS)
@@ -68,6 +75,7 @@ def _megatron_rank(rank: int, group, cases: list[str]) -> dict:
                 streamed = [(name, tensor.clone()) for name, tensor in export]
             export_s = time.perf_counter() - start
             oracle = trainer.bridge_state()
+            synced = _sync(rank, group, trainer, export, oracle, replica, f"{tmp}/{case}")
         finally:
             trainer.close()
         differs = []
@@ -83,15 +91,88 @@ def _megatron_rank(rank: int, group, cases: list[str]) -> dict:
             "differs": differs,
             "order": [name for name, _ in streamed] == list(holding),
             "export_s": export_s,
+            **synced,
         }
     return results
 
 
+def _sync(rank, group, trainer, export, oracle, replica: dict, folder: str) -> dict:
+    """Serve `oracle` from a replica, sync `export` into it (bit-exact check on), and on
+    rank 0 compare the replica's tokens with the oracle's; then refuse a sync whose
+    replicated copies differ (one rank's norm perturbed)."""
+    import asyncio
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    import weightsync as ws
+    from weightsync.errors import WeightsRefusedError
+    from weightsync.testing.launcher import start_replicas
+    from weightsync.testing.presets import build_hf_config
+    from weightsync.testing.reference import greedy_tokens, served_tokens
+
+    path = Path(folder)
+    replicas: list = []
+    urls = [None]
+    if rank == 0:
+        path.mkdir(parents=True)
+        build_hf_config(trainer.config).save_pretrained(path)
+        tensors = {name: t.contiguous() for name, t in oracle.items()}
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        replicas = start_replicas(path, dtype="fp32", log_dir=path, **replica)
+        urls = [replicas[0].url]
+    dist.broadcast_object_list(urls, src=0, group=group)
+    config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=1 << 20),
+        control=ws.ControlConfig(check_weight_update_equal=True),
+        transport=ws.MooncakeConfig(protocol="tcp", timeout_s=30),
+        check_replicas=True,
+    )
+    out: dict = {}
+    try:
+        with ws.TrainerSync(
+            config, hf_config=trainer.config, group=group, replicas=urls, dtype="float32"
+        ) as sync:
+            report = sync.sync(export)
+            out["bit_exact"] = report.bit_exact
+            out["per_source"] = {
+                r: (s.bytes_written, s.num_writes) for r, s in report.push.per_source.items()
+            }
+            out["bytes_written"] = report.bytes_written
+            if rank == 0:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                out["expected"] = greedy_tokens(model, torch.float32, PROMPTS, NEW_TOKENS)
+                served = asyncio.run(served_tokens(urls, PROMPTS, max_new_tokens=NEW_TOKENS))
+                out["served"] = served[urls[0]]
+            # A copy of the final norm drifts on one rank: the check refuses the sync.
+            norm = dict(trainer.model.named_parameters()).get("decoder.final_layernorm.weight")
+            saved = None if norm is None else norm.detach().clone()
+            last = dist.get_world_size() - 1
+            if rank == last and norm is not None:
+                with torch.no_grad():
+                    norm.add_(1.0)
+            try:
+                sync.sync(export)
+                out["drift_refused"] = None
+            except WeightsRefusedError as exc:
+                out["drift_refused"] = str(exc)
+            if saved is not None:
+                with torch.no_grad():
+                    norm.copy_(saved)
+    finally:
+        for served_replica in replicas:
+            served_replica.stop()
+    return out
+
+
 @pytest.fixture(scope="module")
-def megatron_runs() -> list[dict]:
+def megatron_runs(tmp_path_factory) -> list[dict]:
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed (scripts/setup installs it)")
-    return run_in_process_group(WORLD, _megatron_rank, list(CASES), timeout_s=600)
+    tmp = str(tmp_path_factory.mktemp("megatron"))
+    return run_in_process_group(WORLD, _megatron_rank, list(CASES), tmp, timeout_s=900)
 
 
 @pytest.mark.megatron
@@ -99,6 +180,7 @@ def megatron_runs() -> list[dict]:
 def test_boxes_equal_megatron_bridge_and_cover_every_tensor(megatron_runs, case) -> None:
     config = CASES[case][0]
     runs = [run[case] for run in megatron_runs]
+    _check_sync(runs)
     hf_shapes = hf_tensor_shapes(config)
     for rank, run in enumerate(runs):
         assert run["differs"] == [], (rank, run["differs"][:5])
@@ -123,3 +205,16 @@ def test_boxes_equal_megatron_bridge_and_cover_every_tensor(megatron_runs, case)
     for run in runs:
         mine = sum(math.prod(b - a for a, b in box) for _, box in run["boxes"].values())
         assert mine < total
+
+
+def _check_sync(runs: list[dict]) -> None:
+    """The sync landed bit-exact, the replica generates the oracle's tokens, the report
+    carries every rank's bytes and writes, and drifted copies were refused on every rank."""
+    assert all(run["bit_exact"] is True for run in runs)
+    assert runs[0]["served"] == runs[0]["expected"]
+    per_source = runs[0]["per_source"]
+    assert sorted(per_source) == list(range(WORLD))
+    assert sum(num_bytes for num_bytes, _ in per_source.values()) == runs[0]["bytes_written"]
+    for run in runs:
+        assert run["drift_refused"] is not None
+        assert "model.norm.weight" in run["drift_refused"], run["drift_refused"]
