@@ -270,3 +270,23 @@ class MegatronTrainer:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
+
+
+def load_hf_state(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], *, hf_config: Any
+) -> None:
+    """Copy an HF checkpoint's tensors into this rank's parameters, each window from the box
+    `weightsync.export.megatron.megatron_pieces` maps it to (padding rows are left as
+    they are). No collective."""
+    from weightsync.export.megatron import megatron_pieces
+
+    vocab = int(_value(hf_config, "vocab_size"))
+    tied = bool(_value(hf_config, "tie_word_embeddings"))
+    with torch.no_grad():
+        for piece in megatron_pieces(model, hf_vocab_size=vocab, tied=tied):
+            source = state[piece.hf_name][tuple(slice(a, b) for a, b in piece.box)]
+            piece.view().copy_(source)
+
+
+def _value(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
