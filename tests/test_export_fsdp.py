@@ -1,6 +1,7 @@
 """`FSDPExport`: an FSDP2 rank's ``Shard(0)`` rows, streamed as views of its local shards
 without a collective, equal ``full_tensor()`` of the trained model and cover every HF tensor;
-and `no_collectives`, which these tests rely on, really refuses communication."""
+synced straight from the shards into a replica, bit-exact against ``full_tensor()``; and
+`no_collectives`, which these tests rely on, really refuses communication."""
 
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ DENSE = preset_config("tiny", vocab_size=1001, num_hidden_layers=2)
 MOE = preset_config("tiny-moe", vocab_size=1001, num_hidden_layers=2, num_experts=3)
 
 
-def _fsdp_rank(rank: int, group) -> dict:
+def _fsdp_rank(rank: int, group, tmp: str) -> dict:
     """Both models, then the guard, in one group (spawning ranks costs more than the runs)."""
     return {
-        "dense": _fsdp_model(rank, DENSE),
-        "moe": _fsdp_model(rank, MOE),
+        "dense": _fsdp_model(rank, group, DENSE, {"tp": 2}, f"{tmp}/dense"),
+        "moe": _fsdp_model(rank, group, MOE, {"tp": 1}, f"{tmp}/moe"),
         "guard": _guarded(group),
     }
 
 
-def _fsdp_model(rank: int, config: dict) -> dict:
+def _fsdp_model(rank: int, group, config: dict, replica: dict, folder: str) -> dict:
+    """Train, export under `no_collectives`, compare with ``full_tensor()``, then sync into
+    a replica serving the full tensors (the sync's check snapshots, corrupts, compares)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -69,6 +72,51 @@ def _fsdp_model(rank: int, config: dict) -> dict:
         "differs": differs,
         "zero_copy": zero_copy,
         "order": [name for name, _ in streamed] == list(holding),
+        **_sync(rank, group, config, export, reference, replica, folder),
+    }
+
+
+def _sync(rank, group, config, export, reference, replica: dict, folder: str) -> dict:
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    import weightsync as ws
+    from weightsync.testing.launcher import start_replicas
+    from weightsync.testing.presets import build_hf_config
+
+    path = Path(folder)
+    replicas: list = []
+    urls = [None]
+    if rank == 0:
+        path.mkdir(parents=True)
+        build_hf_config(config).save_pretrained(path)
+        tensors = {name: t.detach().contiguous().clone() for name, t in reference.items()}
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        replicas = start_replicas(path, dtype="fp32", log_dir=path, **replica)
+        urls = [replicas[0].url]
+    dist.broadcast_object_list(urls, src=0, group=group)
+    sync_config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=1 << 20),
+        control=ws.ControlConfig(check_weight_update_equal=True),
+        transport=ws.MooncakeConfig(protocol="tcp", timeout_s=30),
+        check_replicas=True,
+    )
+    try:
+        with ws.TrainerSync(
+            sync_config, hf_config=config, group=group, replicas=urls, dtype="float32"
+        ) as sync:
+            report = sync.sync(export)
+    finally:
+        for served in replicas:
+            served.stop()
+    return {
+        "bit_exact": report.bit_exact,
+        "per_source": {
+            r: (s.bytes_written, s.num_writes) for r, s in report.push.per_source.items()
+        },
+        "bytes_written": report.bytes_written,
     }
 
 
@@ -77,6 +125,11 @@ def _check(config: dict, runs: list[dict]) -> None:
     held: dict[str, list] = {}
     for run in runs:
         assert run["differs"] == [] and run["order"] and run["zero_copy"], run["differs"][:5]
+        # Synced from the shards, bit-exact against full_tensor(); both ranks wrote.
+        assert run["bit_exact"] is True
+        assert sorted(run["per_source"]) == [0, 1]
+        assert all(num_bytes > 0 for num_bytes, _ in run["per_source"].values())
+        assert sum(b for b, _ in run["per_source"].values()) == run["bytes_written"]
         for name, (shape, box) in run["boxes"].items():
             assert tuple(shape) == hf_shapes[name]
             held.setdefault(name, []).append(box)
@@ -89,8 +142,9 @@ def _check(config: dict, runs: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs() -> list[dict]:
-    return run_in_process_group(2, _fsdp_rank, timeout_s=300)
+def fsdp_runs(tmp_path_factory) -> list[dict]:
+    tmp = str(tmp_path_factory.mktemp("fsdp"))
+    return run_in_process_group(2, _fsdp_rank, tmp, timeout_s=600)
 
 
 def test_fsdp2_dense_shards_equal_full_tensor(fsdp_runs) -> None:
