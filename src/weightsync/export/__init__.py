@@ -1,10 +1,22 @@
-"""What turns a trainer's model into the PP-local stream of HF tensors a sync reads.
+"""What turns a trainer's model into the stream of HF tensors a sync reads.
 
 `WeightExport` is the protocol; `ModelExport` exports a transformers model (or its state
-dict) by pipeline stage, `TensorsExport` a mapping already in HF names.
+dict) by pipeline stage, `TensorsExport` a mapping already in HF names; `MegatronExport`
+(`weightsync.export.megatron`) a Megatron-core rank's TP / PP / EP slices and `FSDPExport`
+(`weightsync.export.fsdp`) an FSDP2 rank's shards, each as the boxes of HF tensors it holds.
 """
 
 from weightsync.export.base import ViewExport, WeightExport
+from weightsync.export.fsdp import FSDPExport
 from weightsync.export.hf import ModelExport, TensorsExport, hf_state_items
+from weightsync.export.megatron import MegatronExport
 
-__all__ = ["ModelExport", "TensorsExport", "ViewExport", "WeightExport", "hf_state_items"]
+__all__ = [
+    "FSDPExport",
+    "MegatronExport",
+    "ModelExport",
+    "TensorsExport",
+    "ViewExport",
+    "WeightExport",
+    "hf_state_items",
+]
