@@ -47,15 +47,6 @@ def test_demo_moe_with_expert_parallelism():
     assert result["ok"] and result["bit_exact"] and result["generation_match"]
 
 
-def test_demo_fsdp_trainer_syncs_from_its_shards():
-    code, result, stderr = _demo(
-        "--trainer", "fsdp", "--model", "tiny-moe", "--steps", "1", "--replicas", "1",
-    )  # fmt: skip
-    assert code == 0, stderr[-3000:]
-    assert result["trainer"] == "fsdp"
-    assert result["ok"] and result["bit_exact"] and result["generation_match"]
-
-
 @pytest.mark.megatron
 def test_demo_megatron_trainer_syncs_from_its_slices():
     if importlib.util.find_spec("megatron") is None:
