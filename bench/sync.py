@@ -10,10 +10,19 @@ in-process peer copy). Every timed sync is checked bit-exact. Prints a table and
 line (``workload, bytes, p2p_s, baseline_s, speedup, p2p_gbps, ceiling_gbps,
 fraction_of_ceiling, ...``; medians).
 
+Colocated (``--device cuda --rollout-gpu-offset 0``: the trainer and the replica on one GPU,
+as verl places them by default) the ceiling is a same-GPU copy of the same bytes, and the
+baseline is verl's ``naive`` one, SGLang's ``update_weights_from_tensor`` (``from-tensor``:
+buckets shared as CUDA IPC handles, rebuilt and loaded tensor by tensor); NCCL takes no two
+ranks on one GPU, so the broadcast baseline is not run there. ``phases_s`` gives each
+phase's median (pause, metadata, push, finalize, resume) per method.
+
     python bench/sync.py                       # ~1 GB bf16 dense, 2 replicas x tp2, 2 ranks
     python bench/sync.py --quick               # tiny smoke run
     python bench/sync.py --device cuda --preset dense-8b --replicas 1 --rollout-tp 1 \
         --trainer-ranks 1 --bucket-mb 512     # trainer on GPU 0, the replica on GPU 1
+    python bench/sync.py --device cuda --preset dense-8b --replicas 1 --rollout-tp 1 \
+        --trainer-ranks 1 --rollout-gpu-offset 0   # colocated: both on GPU 0
 """
 
 from __future__ import annotations
@@ -56,6 +65,15 @@ LINK_NAMES = {
     "nccl_broadcast": "nccl broadcast (raw)",
     "peer_copy": "peer copy (in-process)",
 }
+
+
+def colocated(args: argparse.Namespace) -> bool:
+    """Whether a replica shares a GPU with a trainer rank."""
+    if args.device != "cuda":
+        return False
+    first = rollout_gpu(args, 0)
+    last = rollout_gpu(args, args.replicas - 1) + args.rollout_tp
+    return first < args.trainer_ranks and last > 0
 
 
 def rollout_gpu(args: argparse.Namespace, replica: int) -> int:
@@ -123,6 +141,8 @@ def run_workload(args: argparse.Namespace, config: dict, workdir: Path, label: s
         with SyncTrainers(spec) as trainers:
             log(f"trainer weights generated in {trainers.generate_s:.1f} s; warm-up syncs")
             warmup = {method: trainers.run(method) for method in args.methods}
+            for method, event in warmup.items():
+                log(f"  warm-up {method}: {event['report']['seconds']:.3f} s, bit-exact")
             num_bytes = warmup["p2p"]["report"]["bytes"]
             if args.device == "cpu":
                 ceiling = HostCeiling(num_bytes)
@@ -151,6 +171,10 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
     """The workload's results: medians, rates and ratios measured in this run."""
     seconds = {m: median([r["seconds"] for r in runs.get(m, [])]) for m in METHODS}
     push = {m: median([r["phases"]["push"] for r in runs.get(m, [])]) for m in METHODS}
+    phase_names = ("pause", "metadata", "push", "finalize", "resume")
+    phases_s = {
+        m: {p: median([r["phases"][p] for r in runs[m]]) for p in phase_names} for m in args.methods
+    }
     links_gbps = {key: num_bytes / median(values) / 1e9 for key, values in links.items()}
     ceiling = CEILINGS[args.device]
     if ceiling not in links_gbps and "peer_copy" in links_gbps:
@@ -183,7 +207,12 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
         "p2p_s": seconds["p2p"],
         "baseline_s": seconds["baseline"],
         "p2p-nodigest_s": seconds["p2p-nodigest"],
-        "speedup": seconds["baseline"] / seconds["p2p"],
+        "speedup": seconds["baseline"] / seconds["p2p"] if "baseline" in runs else None,
+        "from-tensor_s": seconds["from-tensor"],
+        "speedup_vs_from_tensor": (
+            seconds["from-tensor"] / seconds["p2p"] if "from-tensor" in runs else None
+        ),
+        "colocated": colocated(args),
         "p2p_gbps": p2p_gbps,
         "ceiling": ceiling,
         "ceiling_gbps": ceiling_gbps,
@@ -211,6 +240,7 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
         "bit_exact": True,  # every run above was checked, or the bench failed
         "runs_s": {m: [r["seconds"] for r in runs[m]] for m in args.methods},
         "phases": {m: runs[m][-1]["phases"] for m in args.methods},
+        "phases_s": phases_s,
         "warmup_s": {m: warmup[m]["report"]["seconds"] for m in args.methods},
     }
 
@@ -247,7 +277,20 @@ def print_result(result: dict[str, Any]) -> None:
         else ""
     )
     push = f"{result['push_fraction_of_ceiling']:.0%}" if fraction else "(no ceiling)"
-    print(f"speedup over the baseline: {result['speedup']:.2f}x; P2P at {at}{push}")
+    speedups = [
+        f"{result[key]:.2f}x over {name}"
+        for key, name in (
+            ("speedup", "the broadcast baseline"),
+            ("speedup_vs_from_tensor", "update_weights_from_tensor"),
+        )
+        if result[key] is not None
+    ]
+    print(f"speedup: {', '.join(speedups)}; P2P at {at}{push}")
+    phases = result["phases_s"]["p2p"]
+    print(
+        "P2P phases (median ms): "
+        + ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in phases.items())
+    )
     verify = result["verification"]
     ab = (
         f"; p2p - p2p-nodigest end to end: {verify['ab_s'] * 1e3:+.1f} ms"
@@ -273,8 +316,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--rollout-gpu-offset", type=int, help="first rollout GPU (default: after)")
     p.add_argument(
-        "--methods", nargs="+", choices=METHODS, default=["p2p", "baseline"],
-        help="p2p-nodigest: p2p without the senders' digests, to measure what verifying costs",
+        "--methods", nargs="+", choices=METHODS,
+        help="default: p2p baseline (colocated: p2p from-tensor); p2p-nodigest: p2p without "
+        "the senders' digests, to measure what verifying costs; from-tensor: "
+        "update_weights_from_tensor (replicas on this host)",
     )  # fmt: skip
     p.add_argument("--transport", choices=sorted(TRANSPORTS), help="default: by device")
     p.add_argument("--dtype", default="bf16", choices=ROLLOUT_DTYPE_CHOICES)
@@ -291,7 +336,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.replicas, args.repeats, args.bucket_mb = 1, 1, 1
     args.preset = args.preset or ("tiny" if args.quick else "dense-1g")
+    if args.methods is None:
+        args.methods = ["p2p", "from-tensor" if colocated(args) else "baseline"]
     args.methods = tuple(m for m in METHODS if m in args.methods)
+    if colocated(args) and "baseline" in args.methods:
+        p.error(
+            "the broadcast baseline cannot run colocated (NCCL takes no two ranks on one "
+            "GPU); use --methods p2p from-tensor"
+        )
     args.transport = args.transport or ("cuda_ipc" if args.device == "cuda" else "mooncake")
     if args.trainer_ranks % args.trainer_pp:
         p.error("--trainer-pp must divide --trainer-ranks")

@@ -1,4 +1,5 @@
-"""`bench/sync.py --quick`: the whole benchmark on a tiny model, as a smoke run."""
+"""`bench/sync.py --quick`: the whole benchmark on a tiny model, as a smoke run, with both
+baselines (broadcast, and ``update_weights_from_tensor`` over shared memory)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ KEYS = (
 def test_quick_bench_prints_a_table_and_one_json_line(tmp_path):
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--workdir", str(tmp_path)],
+        [
+            *(sys.executable, str(BENCH), "--quick", "--workdir", str(tmp_path)),
+            *("--methods", "p2p", "baseline", "from-tensor"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -42,10 +46,12 @@ def test_quick_bench_prints_a_table_and_one_json_line(tmp_path):
     assert result["bytes"] >= result["model_bytes"] > 0
     assert result["p2p_s"] > 0 and result["baseline_s"] > 0 and result["ceiling_gbps"] > 0
     assert result["speedup"] == result["baseline_s"] / result["p2p_s"]
+    assert result["speedup_vs_from_tensor"] == result["from-tensor_s"] / result["p2p_s"]
+    assert set(result["phases_s"]["p2p"]) == {"pause", "metadata", "push", "finalize", "resume"}
     assert result["p2p_gbps"] == result["bytes"] / result["p2p_s"] / 1e9
     assert result["fraction_of_ceiling"] == result["p2p_gbps"] / result["ceiling_gbps"]
     table = done.stdout
-    for row in ("p2p", "baseline", "mooncake tcp (raw)", "memcpy", "socket", "speedup"):
+    for row in ("p2p", "baseline", "from-tensor", "mooncake tcp (raw)", "memcpy", "speedup"):
         assert row in table
     # The replicas' logs show the baseline's group and the dummy weights.
     logs = "".join(p.read_text() for p in (tmp_path / "layers4" / "logs").glob("*.log"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.slow
+# A glog line (Mooncake's): severity and date, time, thread, file:line].
+NATIVE_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]", re.MULTILINE)
 
 
 def _demo(*args: str, timeout_s: float = 300) -> tuple[int, dict, str]:
@@ -36,6 +39,20 @@ def test_demo_json_default_shape():
     for sync in syncs:
         assert set(sync) >= {"version", "bytes", "seconds", "gbps"}
         assert sync["bytes"] > 0 and sync["seconds"] > 0 and sync["gbps"] > 0
+    # Quiet by default: no native log line, and where Mooncake listens said once (by trainer
+    # rank 0, not by both ranks).
+    assert not NATIVE_LINE.search(stderr) and "InitGoogleLogging" not in stderr, stderr
+    assert stderr.count("listens on every interface") == 1, stderr
+
+
+def test_demo_verbose_shows_the_native_log_lines():
+    code, result, stderr = _demo(
+        "--replicas", "1", "--rollout-tp", "1", "--trainer-ranks", "1", "--steps", "0",
+        "--verbose",
+    )  # fmt: skip
+    assert code == 0 and result["ok"], stderr[-3000:]
+    assert NATIVE_LINE.search(stderr), stderr[-3000:]
+    assert "transfer_metadata.cpp" in stderr and "InitGoogleLogging" in stderr
 
 
 def test_demo_moe_with_expert_parallelism():

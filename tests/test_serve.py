@@ -106,9 +106,17 @@ def test_transfer_engine_info_both_spellings(replica, http, checkpoint):
         boot = httpx.get(
             f"{replica.bootstrap_url}/get_transfer_engine_info?rank={rank}", headers=AUTH
         ).json()
-        # SGLang's fields agree; the main server adds the regions the rank registered.
-        assert {k: v for k, v in body.items() if k != "registered_regions"} == boot
+        # SGLang's fields agree; the main server adds the regions the rank registered and
+        # its scratch region, which lies outside every parameter's.
+        added = ("registered_regions", "scratch_region")
+        assert {k: v for k, v in body.items() if k not in added} == boot
         assert all(size > 0 for _, size in body["registered_regions"])
+        scratch_addr, scratch_bytes = body["scratch_region"]
+        assert scratch_bytes > 0
+        assert all(
+            scratch_addr + scratch_bytes <= addr or addr + size <= scratch_addr
+            for addr, size in body["registered_regions"]
+        )
         assert body["rank"] == rank
         session_id, weights_info = body["remote_instance_transfer_engine_info"]
         host, port = session_id.split(":")

@@ -148,3 +148,29 @@ def test_nccl_baseline_into_a_cuda_replica_is_bit_exact(replica, model_dir):
     finally:
         sync.close()
     assert "joined weights update group" in replica.log_path.read_text()
+
+
+def test_update_weights_from_tensor_over_cuda_ipc_is_bit_exact(replica, model_dir):
+    """The colocated baseline (verl's ``naive``): buckets shared as CUDA IPC handles, each
+    rank rebuilding and loading them; on one GPU the trainer and the replica share it."""
+    from weightsync.baseline import BroadcastConfig, TensorSync
+    from weightsync.manager import ControlConfig, SyncManager
+
+    config, tensors = _trainer_tensors(model_dir)
+    manager = SyncManager([replica.url], ControlConfig(api_key=API_KEY))
+    sync = TensorSync(
+        hf_config=config,
+        config=BroadcastConfig(bucket_bytes=1 << 20, timeout_s=120.0),
+        manager=manager,
+        dtype="bfloat16",
+    )
+    try:
+        for _ in range(2):
+            _checker(replica.url, "snapshot")
+            _checker(replica.url, "reset_tensors")
+            report = sync.sync(tensors)
+            _checker(replica.url, "compare")
+        assert len(sync.buckets) > 2 and report.push.bytes_staged > 0
+    finally:
+        sync.close()
+    assert "update_weights_from_tensor" in replica.log_path.read_text()

@@ -170,5 +170,30 @@ class RemoteReplicaError(WeightSyncError):
         )
 
 
+class LifecycleStepError(RemoteReplicaError):
+    """A step of a fused lifecycle call (``/begin_weight_sync``, ``/end_weight_sync``)
+    refused; `route` names the step, as if it had been called alone.
+
+    Attributes:
+        completed: the routes of the steps that ran before it, in order.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        replica: str,
+        route: str,
+        status_code: int | None = None,
+        completed: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message, replica=replica, route=route, status_code=status_code)
+        self.completed = tuple(completed)
+
+    def __reduce__(self):
+        attrs = {"replica": self.replica, "route": self.route, "status_code": self.status_code}
+        return (_rebuild, (type(self), str(self), {**attrs, "completed": self.completed}))
+
+
 def _rebuild(cls: type, message: str, kwargs: dict) -> BaseException:
     return cls(message, **kwargs)

@@ -28,6 +28,7 @@ from weightsync.cli.demo_trainer import (
     quiet_transformers,
     run_trainer_rank,
 )
+from weightsync.cli.logs import configure_logging
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.server.lifetime import ParentGoneError, exit_with_parent
 from weightsync.testing.launcher import ServedReplica, start_replicas
@@ -59,6 +60,14 @@ def demo(
         Path | None, typer.Option(help="Where to put the checkpoint and logs (kept).")
     ] = None,
     bucket_mb: Annotated[int, typer.Option(help="Sender bucket size in MiB.")] = 64,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            help="Show every trainer rank's weightsync and Mooncake log lines (the replicas' "
+            "are in their logs under --workdir).",
+        ),
+    ] = False,
 ) -> None:
     """Train a small model and sync it into live rollout replicas after every step.
 
@@ -74,6 +83,7 @@ def demo(
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
     _check_trainer(trainer, trainer_ranks, trainer_pp, trainer_tp, trainer_ep, model)
+    configure_logging(verbose=verbose)
     quiet_transformers()
     console = Console(stderr=True)
     own_workdir = workdir is None
@@ -129,6 +139,7 @@ def demo(
                 trainer=trainer,
                 tp_size=trainer_tp,
                 ep_size=trainer_ep,
+                verbose=verbose,
             )
             ctx = multiprocessing.get_context("spawn")
             events = ctx.Queue()

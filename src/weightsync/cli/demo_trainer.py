@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from weightsync.cli.logs import configure_logging
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +49,7 @@ class TrainerArgs:
     trainer: str = "hf"
     tp_size: int = 1
     ep_size: int = 1
+    verbose: bool = False
 
 
 def run_trainer_rank(rank: int, args: TrainerArgs, events: Any) -> None:
@@ -57,7 +59,10 @@ def run_trainer_rank(rank: int, args: TrainerArgs, events: Any) -> None:
     ``{"kind": "error", "rank", "message"}`` on failure and ``{"kind": "exit", "rank"}``.
     """
     torch.set_num_threads(1)
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    # Every rank would log the same warnings (where Mooncake listens): rank 0 says them.
+    configure_logging(
+        verbose=args.verbose, prefix=f"trainer rank {rank}: ", quiet_warnings=rank > 0
+    )
     quiet_transformers()
     try:
         _train_and_sync(rank, args, events)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from weightsync.cli import demo_cmd, plan_cmd, push_cmd, serve_cmd
+from weightsync.cli import demo_cmd, doctor_cmd, plan_cmd, push_cmd, serve_cmd
 
 app = typer.Typer(
     name="weightsync",
@@ -19,7 +19,7 @@ def _root() -> None:
     """weightsync: point-to-point weight sync for RL post-training."""
 
 
-for _module in (demo_cmd, plan_cmd, push_cmd, serve_cmd):
+for _module in (demo_cmd, doctor_cmd, plan_cmd, push_cmd, serve_cmd):
     _module.register(app)
 
 

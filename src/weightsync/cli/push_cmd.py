@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from weightsync.cli.logs import configure_logging
 from weightsync.errors import WeightSyncError
 
 # Exit codes: a replica did not take the update, and bad command-line input.
@@ -61,6 +62,9 @@ def push(
     bucket_mb: Annotated[int, typer.Option(help="Staging bucket size in MiB.")] = 256,
     timeout_s: Annotated[float, typer.Option(help="Transfer timeout in seconds.")] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Show weightsync's and Mooncake's own log lines.")
+    ] = False,
 ) -> None:
     """Push a checkpoint's weights into running replicas (SGLang or `weightsync serve`).
 
@@ -78,7 +82,7 @@ def push(
         _usage(console, f"--transport must be one of {', '.join(_PROTOCOLS)}, not {transport!r}")
     if bucket_mb < 1 or not timeout_s > 0:
         _usage(console, "--bucket-mb and --timeout-s must be positive")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    configure_logging(verbose=verbose)
 
     import weightsync as ws
     from weightsync.checkpoint import load_config_dict, open_safetensors

@@ -25,7 +25,10 @@ from weightsync.server.lifetime import (
 _USAGE_ERROR = 2
 # What `weightsync serve` serves beyond PROTOCOL.md: the broadcast baseline's routes, so that
 # the benchmarks can compare against it on the same replicas.
-SERVER_EXTENSIONS = ("weightsync.baseline.receiver.extension",)
+SERVER_EXTENSIONS = (
+    "weightsync.baseline.receiver.extension",
+    "weightsync.baseline.receiver.from_tensor",
+)
 API_KEY_ENV = "WEIGHTSYNC_API_KEY"
 
 
@@ -132,6 +135,13 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    fused_lifecycle: Annotated[
+        bool,
+        typer.Option(
+            help="Serve /begin_weight_sync and /end_weight_sync (the update lifecycle in two "
+            "calls) and advertise them; off: only SGLang's eight calls."
+        ),
+    ] = True,
 ) -> None:
     """Serve a reference rollout replica: the main HTTP server, the engine-info bootstrap
     server, and one process per TP rank holding SGLang-layout weights that trainers write
@@ -169,6 +179,7 @@ def serve(
             max_body_bytes=max_body_bytes,
             max_bootstrap_body_bytes=max_bootstrap_body_bytes,
             max_new_tokens_limit=max_new_tokens_limit,
+            fused_lifecycle=fused_lifecycle,
         )
     except ValueError as exc:
         typer.echo(f"weightsync serve: {exc}", err=True)

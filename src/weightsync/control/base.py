@@ -96,11 +96,12 @@ class AsyncHttpClient:
         body: BaseModel | dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        check: bool = True,
     ) -> HttpReply:
-        """Send one request and return its 2xx reply.
+        """Send one request and return its 2xx reply (any reply, without `check`).
 
         Raises:
-            RemoteReplicaError: no reply, or a reply that is not a 2xx.
+            RemoteReplicaError: no reply, or (with `check`) a reply that is not a 2xx.
         """
         payload = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
         timeout = aiohttp.ClientTimeout(
@@ -121,7 +122,8 @@ class AsyncHttpClient:
                 )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise unreachable(exc, replica=self._base_url, route=route) from exc
-        check_reply(response, replica=self._base_url, route=route)
+        if check:
+            check_reply(response, replica=self._base_url, route=route)
         return response
 
     def _json(self, response: HttpReply, *, route: str) -> Any:

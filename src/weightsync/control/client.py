@@ -8,11 +8,13 @@ from typing import Any
 from weightsync.control.base import AsyncHttpClient
 from weightsync.control.models import (
     AbortRequestRequest,
+    BeginWeightSyncRequest,
     BeginWeightUpdateRequest,
     BeginWeightUpdateResponse,
     CheckerAction,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightSyncRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
@@ -27,13 +29,16 @@ from weightsync.control.models import (
     SuccessResponse,
     TransferEngineInfoResponse,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
     WeightsCheckerRequest,
     WeightsInfo,
+    WeightSyncStepResponse,
     WeightVersionResponse,
 )
-from weightsync.errors import RemoteReplicaError
+from weightsync.control.replies import check_reply
+from weightsync.errors import LifecycleStepError, RemoteReplicaError
 from weightsync.layout.parallelism import ParallelismConfig
 
 
@@ -232,6 +237,67 @@ class RolloutClient(AsyncHttpClient):
         self._check_success(reply, route=route, status_code=response.status_code)
         return reply
 
+    async def begin_weight_sync(
+        self,
+        *,
+        pause_mode: PauseMode | None = "abort",
+        release_kv_cache: bool = True,
+        selector: Selector = "target",
+        lease_s: float | None = None,
+        budget_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> WeightSyncStepResponse:
+        """``POST /begin_weight_sync`` (servers with capability ``weight_sync_fused``):
+        `pause_generation` (unless `pause_mode` is None), `release_memory_occupation` of the
+        KV cache (with `release_kv_cache`) and `begin_weight_update`, in one call; the
+        server stops where it runs past `budget_s` seconds (give `timeout_s` a margin over
+        it, to hear why).
+
+        Raises:
+            LifecycleStepError: a step refused: ``route`` names it, ``completed`` the steps
+                that ran before it.
+            RemoteReplicaError: the call itself failed (unreachable, a 5xx, a bad reply).
+        """
+        body = BeginWeightSyncRequest(
+            pause_mode=pause_mode,
+            release_kv_cache=release_kv_cache,
+            selector=selector,
+            lease_s=lease_s,
+            budget_s=budget_s,
+        )
+        return await self._fused("/begin_weight_sync", _without_none(body), timeout_s)
+
+    async def end_weight_sync(
+        self,
+        *,
+        new_version: str | None,
+        session_token: str | None = None,
+        digests: dict[int, dict[str, int]] | None = None,
+        resume: bool = True,
+        resume_kv_cache: bool = True,
+        budget_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> WeightSyncStepResponse:
+        """``POST /end_weight_sync`` (servers with capability ``weight_sync_fused``):
+        `update_weight_version` (unless `new_version` is None), `end_weight_update` with
+        `digests`, then with `resume`: `resume_memory_occupation` of the KV cache (with
+        `resume_kv_cache`), `flush_cache` and `continue_generation`, in one call.
+
+        Raises:
+            LifecycleStepError: a step refused: ``route`` names it, ``completed`` the steps
+                that ran before it (a failed verification: ``/end_weight_update``).
+            RemoteReplicaError: the call itself failed (unreachable, a 5xx, a bad reply).
+        """
+        body = EndWeightSyncRequest(
+            new_version=new_version,
+            session_token=session_token,
+            digests=digests,
+            resume=resume,
+            resume_kv_cache=resume_kv_cache,
+            budget_s=budget_s,
+        )
+        return await self._fused("/end_weight_sync", _without_none(body), timeout_s)
+
     async def get_weight_version(self, *, timeout_s: float | None = None) -> str | None:
         """``GET /get_weight_version``: the label of the weights the replica serves."""
         route = "/get_weight_version"
@@ -340,6 +406,27 @@ class RolloutClient(AsyncHttpClient):
         )
         return await self._success("/update_weights_from_distributed", body, timeout_s)
 
+    async def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: Sequence[str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        timeout_s: float | None = None,
+    ) -> SuccessResponse:
+        """``POST /update_weights_from_tensor``: every tp rank rebuilds the tensors of its
+        payload (``serialized_named_tensors[tp_rank]``, `weightsync.baseline.shared_tensors`:
+        shared by reference, so the sender keeps them alive and unchanged until this returns)
+        and loads them."""
+        body = UpdateWeightsFromTensorRequest(
+            serialized_named_tensors=list(serialized_named_tensors),
+            load_format=load_format,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+        )
+        return await self._success("/update_weights_from_tensor", body, timeout_s)
+
     async def destroy_weights_update_group(
         self, group_name: str = "weight_update_group", *, timeout_s: float | None = None
     ) -> SuccessResponse:
@@ -360,6 +447,28 @@ class RolloutClient(AsyncHttpClient):
                 status_code=response.status_code,
             )
         return data
+
+    async def _fused(
+        self, route: str, body: dict[str, Any], timeout_s: float | None
+    ) -> WeightSyncStepResponse:
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s, check=False)
+        try:
+            refusal = WeightSyncStepResponse.model_validate(response.json())
+        except ValueError:  # not JSON, or not this shape: judged below as any reply
+            refusal = None
+        if refusal is not None and refusal.route is not None and not refusal.success:
+            reply = refusal
+            raise LifecycleStepError(
+                f"replica {self.base_url}: {reply.route} (in {route}) refused: {reply.message}",
+                replica=self.base_url,
+                route=reply.route,
+                status_code=response.status_code,
+                completed=tuple(reply.completed),
+            )
+        check_reply(response, replica=self.base_url, route=route)
+        reply = self._parse(response, WeightSyncStepResponse, route=route)
+        self._check_success(reply, route=route, status_code=response.status_code)
+        return reply
 
     async def _success(self, route: str, body: Any, timeout_s: float | None) -> SuccessResponse:
         response = await self._call("POST", route, body=body, timeout_s=timeout_s)

@@ -98,6 +98,43 @@ class EndWeightUpdateRequest(_Request):
     digests: dict[int, dict[str, int]] | None = None
 
 
+class BeginWeightSyncRequest(_Request):
+    """``POST /begin_weight_sync`` (capability ``weight_sync_fused``): what
+    ``pause_generation``, ``release_memory_occupation`` and ``begin_weight_update`` take, in
+    one call run in that order.
+
+    ``pause_mode=None`` skips the pause (a caller that pauses generation itself) and
+    ``release_kv_cache=False`` keeps the KV cache. With ``budget_s`` the call stops where
+    it runs past that many seconds (a pause waiting on a long request stops waiting; it has
+    taken effect, as a pause whose caller gave up): answered 504, the steps after it not run.
+    """
+
+    pause_mode: PauseMode | None = "abort"
+    release_kv_cache: bool = True
+    selector: Selector = "target"
+    lease_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    budget_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+
+class EndWeightSyncRequest(_Request):
+    """``POST /end_weight_sync`` (capability ``weight_sync_fused``): what
+    ``update_weight_version``, ``end_weight_update``, ``resume_memory_occupation``,
+    ``flush_cache`` and ``continue_generation`` take, in one call run in that order.
+
+    ``new_version=None`` keeps the label; ``resume=False`` stops after the session ends (a
+    caller that resumes generation itself); ``resume_kv_cache`` takes back the KV cache that
+    the fused begin released; ``budget_s`` as in `BeginWeightSyncRequest`.
+    """
+
+    new_version: str | None = None
+    session_token: str | None = None
+    digests: dict[int, dict[str, int]] | None = None
+    resume: bool = True
+    resume_kv_cache: bool = True
+    torch_empty_cache: bool = False
+    budget_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+
 class UpdateWeightVersionRequest(_Request):
     """``POST /update_weight_version`` (SGLang 0.5.23 aborts every request by default);
     ``session_token`` is a leased session's."""
@@ -177,6 +214,22 @@ class UpdateWeightsFromDistributedRequest(_Request):
         return self
 
 
+class UpdateWeightsFromTensorRequest(_Request):
+    """``POST /update_weights_from_tensor`` (the colocated baseline, SGLang's fields): one
+    entry per tp rank of `serialized_named_tensors`, each a base64 ``ForkingPickler`` payload
+    naming tensors the trainer shares (CUDA IPC handles; shared-memory files on CPU), which
+    the rank rebuilds and loads tensor by tensor; with ``load_format="flattened_bucket"`` the
+    payload is ``{"flattened_tensor", "metadata"}`` (SGLang's `FlattenedTensorBucket`)."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
+
+
 class DestroyWeightsUpdateGroupRequest(_Request):
     """``POST /destroy_weights_update_group``."""
 
@@ -204,6 +257,15 @@ class UpdateWeightVersionResponse(SuccessResponse):
     """``POST /update_weight_version``'s reply."""
 
     new_version: str | None = None
+
+
+class WeightSyncStepResponse(BeginWeightUpdateResponse):
+    """The reply of ``/begin_weight_sync`` and ``/end_weight_sync``: ``completed`` lists the
+    routes whose step ran, in order; when a step refused, ``route`` names it and the status
+    and ``message`` are what that route answers alone (later steps did not run)."""
+
+    completed: list[str] = Field(default_factory=list)
+    route: str | None = None
 
 
 class WeightVersionResponse(_Response):
@@ -250,11 +312,14 @@ class ErrorResponse(_Response):
 class TransferEngineInfoResponse(_Response):
     """``GET /remote_instance_transfer_engine_info`` (and the bootstrap's
     ``/get_transfer_engine_info``): ``[session_id, weights_info]`` of one rank; the reference
-    server adds the ``[addr, num_bytes]`` regions the rank registered."""
+    server adds the ``[addr, num_bytes]`` regions the rank registered, and the
+    ``[addr, num_bytes]`` scratch region registered beside them that a client may write and
+    read back to test the transport (never a parameter)."""
 
     rank: int
     remote_instance_transfer_engine_info: tuple[str, WeightsInfo]
     registered_regions: list[tuple[int, int]] | None = None
+    scratch_region: tuple[int, int] | None = None
 
 
 class ParallelismConfigModel(_Response):

@@ -29,6 +29,10 @@ GET_WEIGHT_VERSION = "get_weight_version"  # GET /get_weight_version (Miles)
 WEIGHT_UPDATE_LEASE = "weight_update_lease"
 # end_weight_update takes the trainers' digests (weightsync.layout.digest) and verifies them.
 WEIGHT_UPDATE_DIGEST = "weight_update_digest"
+# POST /begin_weight_sync (pause, release the KV cache, begin a session) and POST
+# /end_weight_sync (label, end the session, resume, flush, continue): the update lifecycle in
+# two calls instead of eight, with each step's semantics and refusals.
+WEIGHT_SYNC_FUSED = "weight_sync_fused"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,6 +11,7 @@ from typing import Any
 from weightsync.control import RolloutClient
 from weightsync.control.protocol import (
     PARALLELISM_CONFIG,
+    WEIGHT_SYNC_FUSED,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
     ReplicaProtocol,
@@ -21,6 +22,7 @@ from weightsync.control.protocol import (
 )
 from weightsync.errors import (
     LayoutMismatchError,
+    LifecycleStepError,
     PartialPushError,
     PartialSyncError,
     RemoteReplicaError,
@@ -33,6 +35,9 @@ from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
 from weightsync.plan import TargetRank
 
 logger = logging.getLogger(__name__)
+
+# A fused call's server-side budget is one call's deadline; the reply may take this longer.
+_REPLY_MARGIN_S = 1.0
 
 PushFn = Callable[[Sequence[TargetRank], int], Awaitable[PushSummary]]
 """Writes the new weights into `targets`; the int is the metadata epoch (it changes whenever
@@ -60,6 +65,12 @@ class SyncManager:
        digests of what the push wrote where the replica verifies them (and, after the first
        update with the check on, ``weights_checker compare``);
     7. ``resume_memory_occupation``, ``flush_cache``, ``continue_generation``.
+
+    A replica that advertises ``weight_sync_fused`` takes steps 2-3 as one
+    ``begin_weight_sync`` and steps 6-7 as one ``end_weight_sync`` (the server runs the same
+    calls in the same order and answers a refusal as the refusing call would); the others
+    take the eight calls. While the bit-exact check still has to compare, steps 6-7 are the
+    separate calls, so that ``compare`` runs before any replica serves again.
 
     Every per-replica call is issued to all replicas at once, each with a deadline
     (``config.lifecycle_timeout_s``). A replica that fails before anything was written (it
@@ -244,10 +255,11 @@ class SyncManager:
         self._released, self._paused, self._sessions = set(), set(), {}
         live = await self._first_contact(tuple(self._replicas), dropped)
         new_version = self._next_version(version, live)
-        live = await self._pause(live, dropped)
-        live = await self._begin(live, dropped)
+        # Renewing from the start: a fused begin opens sessions while others' calls may still
+        # run out their deadlines (and the failed ones are resumed), longer than a lease.
         renewal = asyncio.create_task(self._renew_leases(live))
         try:
+            live = await self._open(live, dropped)
             return await self._update(push, live, new_version, dropped, t0)
         finally:
             renewal.cancel()
@@ -318,7 +330,17 @@ class SyncManager:
             raise
         t_pushed = time.perf_counter()
 
-        verified, unfinished = await self._finish(live, new_version, summary, targets)
+        compare_pending = not self._checked and any(u in self._armed for u in live)
+        fused = () if compare_pending else tuple(u for u in live if self._fused(u))
+        (
+            (verified, unfinished),
+            (verified_fused, unfinished_fused, resume_failed),
+        ) = await asyncio.gather(
+            self._finish(tuple(u for u in live if u not in fused), new_version, summary, targets),
+            self._finish_fused(fused, new_version, summary, targets),
+        )
+        verified += verified_fused
+        unfinished |= unfinished_fused
         failed.update(unfinished)
         live = tuple(u for u in live if u not in unfinished)
         bit_exact: bool | None = None
@@ -335,7 +357,9 @@ class SyncManager:
             self._version = max(self._version, int(new_version))
         t_final = time.perf_counter()
 
-        await self._resume(live)
+        await self._resume(tuple(u for u in live if u not in fused))
+        if resume_failed:
+            raise next(iter(resume_failed.values()))
         t_end = time.perf_counter()
         report = SyncReport(
             version=new_version,
@@ -446,29 +470,98 @@ class SyncManager:
             " or ".join(missing),
         )
 
-    async def _pause(self, replicas: tuple[str, ...], dropped: dict[str, str]) -> tuple[str, ...]:
-        """Pause generation and release the KV cache; drop (and resume) those that fail."""
+    def _fused(self, url: str) -> bool:
+        return self._protocols[url].serves(WEIGHT_SYNC_FUSED)
+
+    async def _open(self, replicas: tuple[str, ...], dropped: dict[str, str]) -> tuple[str, ...]:
+        """Steps 2-3: pause, release and begin (fused where the replica takes it)."""
+        fused = tuple(u for u in replicas if self._fused(u))
+        if not fused:
+            return await self._begin(await self._pause(replicas, dropped), dropped)
+        plain = tuple(u for u in replicas if u not in fused)
+
+        async def open_plain() -> tuple[str, ...]:
+            if not plain:
+                return ()
+            paused = await self._pause(plain, dropped, must_remain=False)
+            return await self._begin(paused, dropped, must_remain=False) if paused else ()
+
+        opened = await asyncio.gather(open_plain(), self._begin_fused(fused, dropped))
+        live = tuple(u for u in replicas if u in opened[0] or u in opened[1])
+        if not live:
+            self._raise_all_dropped(dropped, stage="begin_weight_sync")
+        return live
+
+    async def _begin_fused(
+        self, replicas: tuple[str, ...], dropped: dict[str, str]
+    ) -> tuple[str, ...]:
+        """``begin_weight_sync`` on every replica; drop (and resume) those that fail."""
+        cfg = self._config
+        timeout = cfg.lifecycle_timeout_s
+
+        async def begin(url: str) -> str | None:
+            leased = self._protocols[url].serves(WEIGHT_UPDATE_LEASE)
+            try:
+                reply = await self._clients[url].begin_weight_sync(
+                    pause_mode=cfg.pause_mode,
+                    release_kv_cache=cfg.release_kv_cache,
+                    selector=cfg.selector,
+                    lease_s=cfg.lease_s if leased else None,
+                    # One call's deadline for the three (a lease must not lapse meanwhile).
+                    budget_s=timeout,
+                    timeout_s=timeout + _REPLY_MARGIN_S,
+                )
+            except LifecycleStepError as exc:
+                if "/release_memory_occupation" in exc.completed:
+                    self._released.add(url)
+                raise
+            except BaseException:
+                # Unknown how far it got; a server with the fused calls resumes memory it
+                # did not release harmlessly, so take it back to be sure.
+                if cfg.release_kv_cache:
+                    self._released.add(url)
+                raise
+            if cfg.release_kv_cache:
+                self._released.add(url)
+            # Held from now, not once every replica answered: the renewals start at once.
+            self._sessions[url] = reply.session_token
+            self._log_changed_outside(url, reply.changed_outside)
+            return reply.session_token
+
+        self._paused.update(replicas)
+        results = await asyncio.gather(*(begin(u) for u in replicas), return_exceptions=True)
+        by_url = dict(zip(replicas, results, strict=True))
+        return await self._drop_failed(replicas, by_url, dropped, "begin_weight_sync")
+
+    async def _pause(
+        self, replicas: tuple[str, ...], dropped: dict[str, str], *, must_remain: bool = True
+    ) -> tuple[str, ...]:
+        """Pause generation and release the KV cache; drop (and resume) those that fail
+        (raise when none remains, with `must_remain`)."""
         cfg = self._config
         timeout = cfg.lifecycle_timeout_s
         results = await self._call_all(
             replicas, "pause_generation", mode=cfg.pause_mode, timeout_s=timeout
         )
         # A pause that timed out may still take effect: resume those too.
-        self._paused = set(replicas)
+        self._paused.update(replicas)
         live = await self._drop_failed(replicas, results, dropped, "pause_generation")
         if cfg.release_kv_cache and live:
             results = await self._call_all(
                 live, "release_memory_occupation", tags=["kv_cache"], timeout_s=timeout
             )
             # SGLang cannot resume what it did not release (it exits): only these resume.
-            self._released = {u for u, r in results.items() if not isinstance(r, BaseException)}
+            self._released.update(u for u, r in results.items() if not isinstance(r, BaseException))
             live = await self._drop_failed(live, results, dropped, "release_memory_occupation")
-        if not live:
+        if not live and must_remain:
             self._raise_all_dropped(dropped, stage="pause")
         return live
 
-    async def _begin(self, replicas: tuple[str, ...], dropped: dict[str, str]) -> tuple[str, ...]:
-        """Begin a session on every replica (a lease where it takes one); drop the others."""
+    async def _begin(
+        self, replicas: tuple[str, ...], dropped: dict[str, str], *, must_remain: bool = True
+    ) -> tuple[str, ...]:
+        """Begin a session on every replica (a lease where it takes one); drop the others
+        (raise when none remains, with `must_remain`)."""
         cfg = self._config
 
         async def begin(url: str) -> str | None:
@@ -478,25 +571,28 @@ class SyncManager:
                 lease_s=cfg.lease_s if leased else None,
                 timeout_s=cfg.lifecycle_timeout_s,
             )
-            if reply.changed_outside:
-                shown = ", ".join(reply.changed_outside[:8])
-                logger.error(
-                    "replica %s: %d parameter(s) changed outside a weight-update session since "
-                    "its last update (bytes written into it without a session; it served them "
-                    "meanwhile): %s; this update overwrites them",
-                    url,
-                    len(reply.changed_outside),
-                    shown,
-                )
+            self._log_changed_outside(url, reply.changed_outside)
             return reply.session_token
 
         results = await asyncio.gather(*(begin(u) for u in replicas), return_exceptions=True)
         by_url = dict(zip(replicas, results, strict=True))
-        self._sessions = {u: r for u, r in by_url.items() if not isinstance(r, BaseException)}
+        self._sessions.update({u: r for u, r in by_url.items() if not isinstance(r, BaseException)})
         live = await self._drop_failed(replicas, by_url, dropped, "begin_weight_update")
-        if not live:
+        if not live and must_remain:
             self._raise_all_dropped(dropped, stage="begin_weight_update")
         return live
+
+    @staticmethod
+    def _log_changed_outside(url: str, changed: Sequence[str]) -> None:
+        if changed:
+            logger.error(
+                "replica %s: %d parameter(s) changed outside a weight-update session since "
+                "its last update (bytes written into it without a session; it served them "
+                "meanwhile): %s; this update overwrites them",
+                url,
+                len(changed),
+                ", ".join(changed[:8]),
+            )
 
     async def _live_targets(
         self, live: tuple[str, ...], dropped: dict[str, str]
@@ -611,6 +707,60 @@ class SyncManager:
                 self._served.pop(url, None)
             await self._abandon(tuple(unfinished), resume=False)
         return tuple(u for u, ok in results.items() if ok is True), unfinished
+
+    async def _finish_fused(
+        self,
+        replicas: tuple[str, ...],
+        new_version: str,
+        summary: PushSummary,
+        targets: Sequence[TargetRank],
+    ) -> tuple[tuple[str, ...], dict[str, str], dict[str, BaseException]]:
+        """Steps 6-7 as one ``end_weight_sync`` per replica.
+
+        Returns:
+            The replicas that verified the digests; ``{url: why}`` of those that refused the
+            label or the end (they stay paused and dirty, as after `_finish`); and the
+            errors of replicas whose session ended but whose resume refused.
+        """
+        timeout = self._config.lifecycle_timeout_s
+        digests = _digests_by_replica(summary, targets) if replicas else {}
+
+        async def finish(url: str) -> tuple[bool, BaseException | None]:
+            token = self._sessions.get(url)
+            verify = self._protocols[url].serves(WEIGHT_UPDATE_DIGEST) and url in digests
+            try:
+                await self._clients[url].end_weight_sync(
+                    new_version=new_version,
+                    session_token=token,
+                    digests=digests[url] if verify else None,
+                    resume_kv_cache=url in self._released,
+                    budget_s=timeout,
+                    timeout_s=timeout + _REPLY_MARGIN_S,
+                )
+            except LifecycleStepError as exc:
+                if "/end_weight_update" not in exc.completed:
+                    raise
+                # Verified and ended; serving again refused (as `_resume` would raise).
+                self._sessions.pop(url, None)
+                if "/resume_memory_occupation" in exc.completed:
+                    self._released.discard(url)
+                return verify, exc
+            self._sessions.pop(url, None)
+            self._released.discard(url)
+            return verify, None
+
+        outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
+        results = dict(zip(replicas, outcomes, strict=True))
+        unfinished = {u: str(r) for u, r in results.items() if isinstance(r, BaseException)}
+        if unfinished:
+            self._dirty.update(unfinished)
+            for url in unfinished:
+                self._served.pop(url, None)
+            await self._abandon(tuple(unfinished), resume=False)
+        done = {u: r for u, r in results.items() if not isinstance(r, BaseException)}
+        verified = tuple(u for u, (ok, _) in done.items() if ok)
+        resume_failed = {u: exc for u, (_, exc) in done.items() if exc is not None}
+        return verified, unfinished, resume_failed
 
     async def _replica_targets(
         self, url: str, server_info: dict[str, Any]

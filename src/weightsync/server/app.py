@@ -15,7 +15,10 @@ does not parse, SGLang's ``{"object": "error", ...}``), with ``{"success": false
 with memory released, or while shutting down).
 
 Beyond SGLang it serves ``/parallelism_config`` and ``/get_weight_version`` (the Miles
-extensions) and says so in ``/server_info["weightsync"]["capabilities"]``.
+extensions) and says so in ``/server_info["weightsync"]["capabilities"]``; unless started
+with the fused lifecycle off, also ``/begin_weight_sync`` and ``/end_weight_sync`` (capability
+``weight_sync_fused``): the update lifecycle's eight calls in two, each step answering as its
+own route would.
 
 Handlers never block the event loop: the engine runs in rank 0's engine thread and handlers
 await its futures, so ``/server_info`` answers during a long generation or weights check.
@@ -27,14 +30,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from weightsync import __version__
 from weightsync.control.models import (
     AbortRequestRequest,
+    BeginWeightSyncRequest,
     BeginWeightUpdateRequest,
     BeginWeightUpdateResponse,
     ContinueGenerationRequest,
+    EndWeightSyncRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
@@ -50,9 +55,11 @@ from weightsync.control.models import (
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
     WeightsCheckerRequest,
+    WeightSyncStepResponse,
     WeightVersionResponse,
 )
-from weightsync.server.controller import ReplicaController
+from weightsync.control.protocol import WEIGHT_SYNC_FUSED
+from weightsync.server.controller import ReplicaController, StepRefusedError
 from weightsync.server.extensions import ServerExtension
 from weightsync.server.http import (
     SUCCESS_400,
@@ -284,6 +291,9 @@ def create_main_app(
             new_version=body.new_version,
         )
 
+    if WEIGHT_SYNC_FUSED in controller.capabilities:
+        _add_fused_routes(app, controller, authorized)
+
     @app.get(
         "/get_weight_version",
         response_model=WeightVersionResponse,
@@ -324,3 +334,71 @@ def create_main_app(
     for extension in extensions:
         extension.add_routes(app, controller, api_key=api_key)
     return app
+
+
+# A fused call's refusals: a step's 400 (or 503), or 504 past its budget, as the step body.
+STEP_REFUSED: dict[int | str, dict[str, Any]] = {
+    code: {"model": WeightSyncStepResponse} for code in (400, 503, 504)
+}
+
+
+def _add_fused_routes(app: FastAPI, controller: ReplicaController, authorized: list) -> None:
+    """``/begin_weight_sync`` and ``/end_weight_sync`` (capability ``weight_sync_fused``)."""
+
+    def refused(exc: StepRefusedError) -> JSONResponse:
+        body = {"success": False, "message": str(exc), "completed": list(exc.completed)}
+        return JSONResponse({**body, "route": exc.route}, status_code=exc.status_code)
+
+    @app.post(
+        "/begin_weight_sync",
+        response_model=WeightSyncStepResponse,
+        dependencies=authorized,
+        responses={**error_responses(), **STEP_REFUSED},
+    )
+    async def begin_weight_sync(body: BeginWeightSyncRequest | None = None) -> Any:
+        """``pause_generation``, ``release_memory_occupation(["kv_cache"])`` and
+        ``begin_weight_update``, in that order, in one call; a step that refuses answers with
+        its own status and message, names itself in ``route`` and stops the rest."""
+        body = body or BeginWeightSyncRequest()
+        try:
+            grant, completed = await controller.begin_weight_sync(
+                pause_mode=body.pause_mode,
+                release_kv_cache=body.release_kv_cache,
+                selector=body.selector,
+                lease_s=body.lease_s,
+                budget_s=body.budget_s,
+            )
+        except StepRefusedError as exc:
+            return refused(exc)
+        extra: dict[str, Any] = {"completed": list(completed)}
+        if grant.token:
+            extra |= {"session_token": grant.token, "lease_s": grant.lease_s}
+        if grant.changed_outside:
+            extra["changed_outside"] = list(grant.changed_outside)
+        return success_body(True, grant.message, **extra)
+
+    @app.post(
+        "/end_weight_sync",
+        response_model=WeightSyncStepResponse,
+        dependencies=authorized,
+        responses={**error_responses(), **STEP_REFUSED},
+    )
+    async def end_weight_sync(body: EndWeightSyncRequest) -> Any:
+        """``update_weight_version``, ``end_weight_update`` (verifying ``digests``), then
+        ``resume_memory_occupation(["kv_cache"])``, ``flush_cache`` and
+        ``continue_generation``, in that order, in one call; a step that refuses answers
+        with its own status and message, names itself in ``route`` and stops the rest (a
+        failed verification leaves the replica paused)."""
+        try:
+            message, completed = await controller.end_weight_sync(
+                new_version=body.new_version,
+                token=body.session_token,
+                digests=body.digests,
+                resume=body.resume,
+                resume_kv_cache=body.resume_kv_cache,
+                torch_empty_cache=body.torch_empty_cache,
+                budget_s=body.budget_s,
+            )
+        except StepRefusedError as exc:
+            return refused(exc)
+        return success_body(True, message, completed=list(completed))

@@ -68,6 +68,8 @@ class ServeConfig:
         max_new_tokens_limit: the most tokens one ``/generate`` may ask for; ``None``: the
             model's context length (``max_position_embeddings``), which also bounds prompt
             plus new tokens.
+        fused_lifecycle: serve ``/begin_weight_sync`` and ``/end_weight_sync`` and advertise
+            ``weight_sync_fused`` (off: only the eight standard lifecycle calls, as SGLang).
 
     Raises:
         ValueError: a value out of range or not one of the choices.
@@ -96,6 +98,7 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_bootstrap_body_bytes: int = DEFAULT_MAX_BOOTSTRAP_BODY_BYTES
     max_new_tokens_limit: int | None = None
+    fused_lifecycle: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:

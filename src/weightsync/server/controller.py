@@ -28,7 +28,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from weightsync.control.models import GenerateRequest, GenerateResponse, Weights
 from weightsync.control.protocol import (
     GET_WEIGHT_VERSION,
     PARALLELISM_CONFIG,
+    WEIGHT_SYNC_FUSED,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
 )
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 # What the reference server serves beyond SGLang 0.5.23, advertised in /server_info.
 CAPABILITIES = (PARALLELISM_CONFIG, GET_WEIGHT_VERSION, WEIGHT_UPDATE_LEASE, WEIGHT_UPDATE_DIGEST)
+# Advertised too unless the server was started with the fused lifecycle off.
+FUSED_CAPABILITIES = (WEIGHT_SYNC_FUSED,)
 _STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}
 # Tags of SGLang's memory saver. Parameter memory is registered with the transfer engine and
 # must never move, so "weights" cannot be released here.
@@ -81,6 +84,20 @@ class _Session:
     deadline: float | None = None  # time.monotonic() when the lease expires
     timer: asyncio.TimerHandle | None = None
     versioned: bool = False
+
+
+class StepRefusedError(ControlError):
+    """A step of a fused lifecycle call refused: the status and message are the step's own.
+
+    Attributes:
+        route: the step's route (``/pause_generation``, ...).
+        completed: the routes of the steps that ran before it, in order.
+    """
+
+    def __init__(self, cause: ControlError, *, route: str, completed: Sequence[str]) -> None:
+        super().__init__(str(cause), status_code=cause.status_code)
+        self.route = route
+        self.completed = tuple(completed)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,6 +128,8 @@ class ReplicaController:
         info: the replica's static description.
         weight_version: the label of the weights the replica starts with.
         bounds: how long a generation request may be; ``None``: the model's context length.
+        fused_lifecycle: serve `begin_weight_sync` and `end_weight_sync` (and advertise
+            ``weight_sync_fused``).
     """
 
     def __init__(
@@ -120,8 +139,10 @@ class ReplicaController:
         info: ReplicaInfo,
         weight_version: str,
         bounds: GenerationBounds | None = None,
+        fused_lifecycle: bool = True,
     ) -> None:
         self._driver = driver
+        self.capabilities = CAPABILITIES + (FUSED_CAPABILITIES if fused_lifecycle else ())
         self.info = info
         self._bounds = bounds or GenerationBounds.of_model(info.hf_config)
         self._weight_version = weight_version
@@ -422,6 +443,94 @@ class ReplicaController:
         logger.info("weight version is now %s", new_version)
         return f"Weight version updated to {new_version}"
 
+    async def begin_weight_sync(
+        self,
+        *,
+        pause_mode: str | None,
+        release_kv_cache: bool,
+        selector: str,
+        lease_s: float | None = None,
+        budget_s: float | None = None,
+    ) -> tuple[SessionGrant, tuple[str, ...]]:
+        """`pause_generation` (unless `pause_mode` is None), `release_memory_occupation`
+        of the KV cache (when `release_kv_cache`) and `begin_weight_update`, in that order,
+        each with its own semantics: one round trip instead of three. The call stops where it
+        runs past `budget_s` seconds (a pause stops waiting; it has taken effect, as a pause
+        whose caller timed out).
+
+        Returns:
+            The session's grant and the routes of the steps that ran.
+
+        Raises:
+            StepRefusedError: a step refused (later ones did not run); it names the step,
+                the steps before it, and carries the step's own status and message.
+        """
+        completed: list[str] = []
+        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
+        if pause_mode is not None:
+            steps.append(("/pause_generation", lambda: self.pause_generation(pause_mode)))
+        if release_kv_cache:
+            steps.append(
+                ("/release_memory_occupation", lambda: self.release_memory_occupation(["kv_cache"]))
+            )
+        steps.append(
+            ("/begin_weight_update", lambda: self.begin_weight_update(selector, lease_s=lease_s))
+        )
+        grant = await _run_steps(steps, completed, budget_s)
+        return grant, tuple(completed)
+
+    async def end_weight_sync(
+        self,
+        *,
+        new_version: str | None,
+        token: str | None = None,
+        digests: Mapping[int, Mapping[str, int]] | None = None,
+        resume: bool = True,
+        resume_kv_cache: bool = True,
+        torch_empty_cache: bool = False,
+        budget_s: float | None = None,
+    ) -> tuple[str, tuple[str, ...]]:
+        """`update_weight_version` (unless `new_version` is None), `end_weight_update`,
+        then, with `resume`, `resume_memory_occupation` of the KV cache (when
+        `resume_kv_cache`), `flush_cache` and `continue_generation`, in that order, each with
+        its own semantics: one round trip instead of five. The call stops where it runs
+        past `budget_s` seconds (the replica stays paused, as when a caller's deadline
+        passed).
+
+        Returns:
+            The last step's message and the routes of the steps that ran.
+
+        Raises:
+            StepRefusedError: a step refused (later ones did not run: a failed verification
+                leaves the replica paused, as `end_weight_update` alone does).
+        """
+        completed: list[str] = []
+        steps: list[tuple[str, Callable[[], Awaitable[str]]]] = []
+        if new_version is not None:
+            steps.append(
+                (
+                    "/update_weight_version",
+                    lambda: self.update_weight_version(new_version, False, token=token),
+                )
+            )
+        steps.append(
+            ("/end_weight_update", lambda: self.end_weight_update(token=token, digests=digests))
+        )
+        if resume:
+            if resume_kv_cache:
+                steps.append(
+                    (
+                        "/resume_memory_occupation",
+                        lambda: self.resume_memory_occupation(["kv_cache"]),
+                    )
+                )
+            steps.append(("/flush_cache", self.flush_cache))
+            steps.append(
+                ("/continue_generation", lambda: self.continue_generation(torch_empty_cache))
+            )
+        message = await _run_steps(steps, completed, budget_s)
+        return message, tuple(completed)
+
     def _holder(self, token: str | None, route: str) -> _Session:
         """The open session, if `token` may act on it."""
         session = self._lease
@@ -598,7 +707,7 @@ class ReplicaController:
             "weight_version": self._weight_version,
             "weightsync": {
                 "version": __version__,
-                "capabilities": list(CAPABILITIES),
+                "capabilities": list(self.capabilities),
                 "weights": {
                     "complete": self._incomplete is None,
                     "incomplete_reason": self._incomplete,
@@ -683,6 +792,47 @@ class ReplicaController:
         else:
             message = "; ".join(f"tp rank {r.tp_rank}: {r.error}" for r in failed)
         raise ControlError(message, status_code=_STATUS_OF_KIND.get(failed[0].error_kind, 500))
+
+
+async def _run_steps(
+    steps: Sequence[tuple[str, Callable[[], Awaitable[Any]]]],
+    completed: list[str],
+    budget_s: float | None,
+) -> Any:
+    """Run `steps` in order, appending each finished one's route to `completed`; the last
+    step's value.
+
+    Raises:
+        StepRefusedError: a step refused, or (504) the call ran past `budget_s`: the pause,
+            which waits on generation, is cut short; a step that cannot be interrupted
+            safely is let finish, and the next one not started.
+    """
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    value: Any = None
+    for index, (route, step) in enumerate(steps):
+        if deadline is not None and index and time.monotonic() > deadline:
+            late = ControlError(
+                f"the call ran past budget_s={budget_s:g} before {route}; it and the steps "
+                "after it were not run",
+                status_code=504,
+            )
+            raise StepRefusedError(late, route=route, completed=completed)
+        try:
+            if route == "/pause_generation" and deadline is not None:
+                value = await asyncio.wait_for(step(), max(0.0, deadline - time.monotonic()))
+            else:
+                value = await step()
+        except TimeoutError:
+            late = ControlError(
+                f"{route} did not finish within budget_s={budget_s:g} (it has taken effect); "
+                "the steps after it were not run",
+                status_code=504,
+            )
+            raise StepRefusedError(late, route=route, completed=completed) from None
+        except ControlError as exc:
+            raise StepRefusedError(exc, route=route, completed=completed) from exc
+        completed.append(route)
+    return value
 
 
 def _check_lease(lease_s: float | None) -> None:

@@ -64,7 +64,8 @@ class ReplicaInfo:
         }
 
     def transfer_engine_info(self, rank: int | None) -> dict[str, Any]:
-        """``{"rank", "remote_instance_transfer_engine_info": [session_id, weights_info]}``.
+        """``{"rank", "remote_instance_transfer_engine_info": [session_id, weights_info],
+        "registered_regions", "scratch_region"}``.
 
         Raises:
             ControlError: 400 for a missing or unknown rank.
@@ -82,6 +83,7 @@ class ReplicaInfo:
             "rank": rank,
             "remote_instance_transfer_engine_info": [info.session_id, info.weights_info],
             "registered_regions": info.regions,
+            "scratch_region": info.scratch_region,
         }
 
     def parallelism_config(self, rank: int) -> dict[str, int]:

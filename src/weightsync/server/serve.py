@@ -172,6 +172,7 @@ class _Replica:
                 info=info,
                 weight_version=self.config.weight_version,
                 bounds=self.bounds,
+                fused_lifecycle=self.config.fused_lifecycle,
             )
             controller.start()
             app = create_main_app(

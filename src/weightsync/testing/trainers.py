@@ -25,9 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("p2p", "p2p-nodigest", "baseline")
+METHODS = ("p2p", "p2p-nodigest", "baseline", "from-tensor")
 """The syncs a bench can time: weightsync (``p2p``), the same without the senders' digests
-(``p2p-nodigest``: what verification costs the trainer side), the broadcast baseline."""
+(``p2p-nodigest``: what verification costs the trainer side), the broadcast baseline, and
+the colocated baseline (``from-tensor``: SGLang's ``update_weights_from_tensor``, buckets
+shared by reference, as verl's ``naive`` backend; replicas on the trainer's host)."""
 _RESULT_TIMEOUT_S = 1800.0
 
 
@@ -96,7 +98,7 @@ def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) 
 
 def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
     import weightsync as ws
-    from weightsync.baseline import BroadcastConfig, BroadcastSync
+    from weightsync.baseline import BroadcastConfig, BroadcastSync, TensorSync
     from weightsync.manager import SyncManager
 
     syncs: dict[str, Any] = {}
@@ -125,13 +127,15 @@ def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
             replicas=spec.urls,
             dtype=spec.rollout_dtype,
         )
-    if "baseline" in spec.methods:
+    for method, kind in (("baseline", BroadcastSync), ("from-tensor", TensorSync)):
+        if method not in spec.methods:
+            continue
         manager = None
         if rank == 0:
             manager = SyncManager(
                 spec.urls, ws.ControlConfig(api_key=spec.api_key, http_timeout_s=600.0)
             )
-        syncs["baseline"] = BroadcastSync(
+        syncs[method] = kind(
             hf_config=spec.config,
             config=BroadcastConfig(bucket_bytes=spec.bucket_bytes, timeout_s=spec.timeout_s),
             group=group,
@@ -260,7 +264,7 @@ class SyncTrainers:
         self.generate_s = max(r["generate_s"] for r in ready)
 
     def run(self, method: str) -> dict[str, Any]:
-        """One sync by `method` (``p2p`` or ``baseline``), verified bit-exact: rank 0's
+        """One sync by `method` (one of `METHODS`), verified bit-exact: rank 0's
         ``report`` (`SyncReport.to_dict`, every rank's push in ``report["sources"]``) and
         ``wall_s``.
 

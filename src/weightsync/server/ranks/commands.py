@@ -115,6 +115,8 @@ class RankInfo:
         device: the device its parameters live on.
         dtype: the parameters' dtype name.
         regions: the ``[addr, num_bytes]`` memory regions registered with its transport.
+        scratch_region: ``[addr, num_bytes]`` of the scratch buffer registered beside them
+            for test writes (never a parameter), or None.
     """
 
     tp_rank: int
@@ -124,3 +126,4 @@ class RankInfo:
     device: str
     dtype: str
     regions: list[list[int]]
+    scratch_region: list[int] | None = None

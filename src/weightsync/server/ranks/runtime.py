@@ -36,9 +36,20 @@ from weightsync.server.ranks.commands import (
     Shutdown,
 )
 from weightsync.torch_dtypes import dtype_name
-from weightsync.transport import CudaIpcConfig, MooncakeConfig, Transport, open_transport
+from weightsync.transport import (
+    CudaIpcConfig,
+    MooncakeConfig,
+    Transport,
+    open_transport,
+    register_tensor,
+)
 
 logger = logging.getLogger(__name__)
+
+# The scratch region each rank registers beside its parameters, so that a client can test
+# a write and read it back through the real transport without touching a weight
+# (``weightsync doctor``). Its address is served, like every parameter's, with the API key.
+SCRATCH_BYTES = 4096
 
 
 def rank_transport(config: ServeConfig, device: torch.device) -> Transport:
@@ -94,6 +105,8 @@ class RankRuntime:
         agent: the rank's agent over the model's parameters.
         collective_timeout_s: how long a collective of a server extension may wait.
         extensions: the server extensions whose commands this rank runs.
+        scratch_bytes: size of the scratch region registered beside the parameters for test
+            writes (`SCRATCH_BYTES` over Mooncake); 0 for none.
     """
 
     def __init__(
@@ -105,6 +118,7 @@ class RankRuntime:
         agent: RolloutAgent,
         collective_timeout_s: float = 600.0,
         extensions: Sequence[ServerExtension] = (),
+        scratch_bytes: int = 0,
     ) -> None:
         self.tp_rank = tp_rank
         self.model = model
@@ -116,6 +130,11 @@ class RankRuntime:
             for command_type in extension.command_types
         }
         self._extensions = list(extensions)
+        # Never a parameter: no plan targets it, no digest covers it, no session tracks it.
+        self.scratch_region: tuple[int, int] | None = None
+        if scratch_bytes:
+            self._scratch = torch.zeros(scratch_bytes, dtype=torch.uint8, device=model.device)
+            self.scratch_region = register_tensor(transport, self._scratch)
         self.context = RankContext(
             tp_rank=tp_rank,
             params=dict(model.named_parameters()),
@@ -188,14 +207,23 @@ class RankRuntime:
         except BaseException:
             transport.close()
             raise
-        runtime = cls(
-            tp_rank=tp_rank,
-            model=model,
-            transport=transport,
-            agent=agent,
-            collective_timeout_s=config.collective_timeout_s,
-            extensions=load_extensions(config.extensions),
-        )
+        try:
+            runtime = cls(
+                tp_rank=tp_rank,
+                model=model,
+                transport=transport,
+                agent=agent,
+                collective_timeout_s=config.collective_timeout_s,
+                extensions=load_extensions(config.extensions),
+                # Over CUDA IPC the trainer shares the host: there is no network path to test.
+                scratch_bytes=SCRATCH_BYTES if config.transport == "mooncake" else 0,
+            )
+        except BaseException:
+            try:
+                agent.close()
+            finally:
+                transport.close()
+            raise
         try:
             agent.publish(bootstrap_url, api_key=config.api_key)
         except BaseException:
@@ -220,6 +248,7 @@ class RankRuntime:
             device=str(self.model.device),
             dtype=dtype_name(self.model.dtype),
             regions=[list(region) for region in self.agent.regions],
+            scratch_region=list(self.scratch_region) if self.scratch_region else None,
         )
 
     def execute(self, command: Command) -> RankReply:

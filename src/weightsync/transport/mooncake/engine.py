@@ -13,6 +13,15 @@ binds 0.0.0.0 (``findAvailableTcpPort``, ``transfer_metadata_plugin.cpp``) and i
 port binds [::] dual-stack (``TcpContext``, ``tcp_transport_session_impl.h``); no setting
 changes either (``MC_TCP_BIND_ADDRESS`` only names the address advertised outside P2P
 handshake mode). The first engine of a process logs a warning naming both.
+
+Mooncake logs through glog, to the process's stderr, and its lowest level
+(``MC_LOG_LEVEL=ERROR``) still prints lines that are not failures while an engine starts
+(``E... transfer_metadata.cpp] Local segment descriptor not found``, glog's own ``WARNING:
+Logging before InitGoogleLogging()``). So what the native code writes to stderr while an
+engine is created and initialized is captured (file descriptor 2, under the same lock) and
+logged line by line at DEBUG on ``weightsync.transport.mooncake.native``; when the engine
+fails to initialize, the lines are part of the error. What Mooncake logs after start-up
+(failed transfers) still reaches stderr.
 """
 
 from __future__ import annotations
@@ -22,9 +31,12 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +44,10 @@ from typing import Any
 from weightsync.errors import WeightSyncError
 
 _LOG = logging.getLogger(__name__)
+_NATIVE_LOG = logging.getLogger("weightsync.transport.mooncake.native")
+# glog's lines: severity, date, time, thread, file:line]; and its note before InitGoogleLogging.
+_GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+_GLOG_NOTE = "WARNING: Logging before InitGoogleLogging()"
 
 PROTOCOLS = ("tcp", "rdma", "auto")
 _METADATA_SERVER = "P2PHANDSHAKE"
@@ -138,6 +154,7 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
     # Without MC_FORCE_TCP Mooncake installs RDMA (or, in CUDA builds without a NIC, its
     # NVLink transport) whatever protocol it is given.
     env["MC_FORCE_TCP"] = "1" if protocol == "tcp" else ""
+    native: list[str] = []
     with _ENV_LOCK:
         saved = {name: os.environ.get(name) for name in env}
         try:
@@ -146,22 +163,26 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
                     os.environ[name] = value
                 else:
                     os.environ.pop(name, None)
-            engine = TransferEngine()
-            before = _own_listeners()
-            return_code = engine.initialize(
-                config.hostname, _METADATA_SERVER, protocol, config.device_name
-            )
-            opened = sorted(_own_listeners() - before)
+            with _captured_stderr(native):
+                engine = TransferEngine()
+                before = _own_listeners()
+                return_code = engine.initialize(
+                    config.hostname, _METADATA_SERVER, protocol, config.device_name
+                )
+                opened = sorted(_own_listeners() - before)
         finally:
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+    _emit_captured(native)
     if return_code != 0:
+        said = "".join(f"\n  {line}" for line in native[-20:])
         raise WeightSyncError(
             f"Mooncake TransferEngine.initialize({config.hostname!r}, {_METADATA_SERVER!r}, "
             f"{protocol!r}, {config.device_name!r}) returned {return_code}"
+            + (f"; Mooncake said:{said}" if said else "")
         )
     _warn_of_wildcard_listeners(config.hostname, opened)
     if protocol == "rdma":
@@ -193,6 +214,43 @@ def _warn_of_wildcard_listeners(hostname: str, opened: list[tuple[str, int]]) ->
         hostname,
         where,
     )
+
+
+def _emit_captured(lines: list[str]) -> None:
+    """Log glog's lines at DEBUG; write the others (another thread's, written to stderr while
+    it was captured) back to stderr."""
+    for line in lines:
+        if _GLOG_LINE.match(line) or line.startswith(_GLOG_NOTE):
+            _NATIVE_LOG.debug("%s", line)
+        else:
+            sys.stderr.write(line + "\n")
+
+
+@contextlib.contextmanager
+def _captured_stderr(lines: list[str]) -> Iterator[None]:
+    """Send what this process writes to file descriptor 2 into `lines` while the block runs.
+
+    Native code writes to the descriptor, not to ``sys.stderr``, so the descriptor itself is
+    pointed at a temporary file and restored afterwards. Other threads writing to stderr
+    during the block (it lasts milliseconds) are captured as well; the caller writes lines
+    that are not glog's back to stderr.
+    """
+    try:
+        sys.stderr.flush()
+        saved_fd = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            capture.seek(0)
+            text = capture.read().decode(errors="replace")
+            lines.extend(line for line in text.splitlines() if line.strip())
 
 
 def _own_listeners() -> set[tuple[str, int]]:

@@ -221,6 +221,33 @@ class MooncakeTransport:
                 interval = _POLL_MIN_S if progressed else min(2 * interval, _POLL_MAX_S)
                 time.sleep(min(interval, deadline - now))
 
+    def read(self, target_session: str, dst_addr: int, src_addr: int, num_bytes: int) -> None:
+        """Read ``num_bytes`` at the peer's `src_addr` into local `dst_addr`, blocking until
+        done or Mooncake's own timeout (``MooncakeConfig.timeout_s``) passes.
+
+        Not part of `Transport`: syncs only write. It reads back what a check wrote (what
+        ``weightsync doctor`` does with a replica's scratch region).
+
+        Raises:
+            ValueError: the local region is outside registered memory.
+            TransferError: Mooncake reported a failure.
+            WeightSyncError: the transport is closed.
+        """
+        _, dst, lengths = check_regions([src_addr], [dst_addr], [num_bytes])
+        with self._lock:
+            self._check_open()
+            self._registered.require_inside(dst, lengths)
+            engine = self._engine
+        return_code = engine.transfer_sync_read(target_session, dst_addr, src_addr, num_bytes)
+        if return_code < 0:
+            raise TransferError(
+                f"read of {num_bytes} bytes at {src_addr:#x} from {target_session} failed, "
+                f"return code {return_code}",
+                target_session=target_session,
+                byte_ranges=[(src_addr, num_bytes)],
+                return_code=return_code,
+            )
+
     def close(self) -> None:
         """Unregister every region and drop the engine; idempotent.
 

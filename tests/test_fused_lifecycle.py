@@ -1,0 +1,141 @@
+"""The update lifecycle in two calls: ``/begin_weight_sync`` and ``/end_weight_sync`` on a
+reference replica that advertises ``weight_sync_fused``, each step answering as its own route
+would; and the manager, which takes them where advertised and the eight standard calls where
+not (a replica started with ``--no-fused-lifecycle``), in one sync of both."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import weightsync as ws
+from servers import start_replicas
+from weightsync.control.base import AsyncHttpClient
+from weightsync.control.protocol import WEIGHT_SYNC_FUSED
+from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
+
+TINY = preset_config("tiny")
+API_KEY = "fused-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+BEGIN = ["/pause_generation", "/release_memory_occupation", "/begin_weight_update"]
+END = [
+    "/update_weight_version",
+    "/end_weight_update",
+    "/resume_memory_occupation",
+    "/flush_cache",
+    "/continue_generation",
+]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Two tp1 replicas of the tiny model: the first advertises the fused calls, the second
+    was started with them off."""
+    checkpoint = write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), TINY, seed=3)
+    logs = tmp_path_factory.mktemp("logs")
+    started = []
+    try:
+        started += start_replicas(checkpoint, log_dir=logs / "fused", api_key=API_KEY)
+        started += start_replicas(
+            checkpoint,
+            log_dir=logs / "plain",
+            api_key=API_KEY,
+            extra_args=["--no-fused-lifecycle"],
+        )
+        yield started
+    finally:
+        for replica in started:
+            replica.stop()
+
+
+def _state(http: httpx.Client) -> dict:
+    return http.get("/server_info").json()["state"]
+
+
+def test_fused_calls_run_each_step_and_answer_a_refusal_as_the_step_would(replicas) -> None:
+    fused, plain = replicas
+    with httpx.Client(base_url=fused.url, headers=AUTH, timeout=60.0) as http:
+        info = http.get("/server_info").json()
+        assert WEIGHT_SYNC_FUSED in info["weightsync"]["capabilities"]
+        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0})
+        assert begun.status_code == 200 and begun.json()["completed"] == BEGIN
+        token = begun.json()["session_token"]
+        state = _state(http)
+        assert state["paused"] and state["memory_released"] == ["kv_cache"]
+        assert state["weight_update_session"] == "open"
+
+        # A second begin: pause and release run again (both allowed while paused), then the
+        # begin refuses exactly as /begin_weight_update alone does.
+        again = http.post("/begin_weight_sync", json={})
+        alone = http.post("/begin_weight_update", json={"selector": "target"})
+        assert again.status_code == alone.status_code == 400
+        assert again.json()["route"] == "/begin_weight_update"
+        assert again.json()["completed"] == BEGIN[:2]
+        assert again.json()["message"] == alone.json()["message"]
+
+        # Digests that do not match: labelled, then the end refuses; nothing resumes.
+        wrong = {"0": {"model.norm.weight": 1}}
+        ended = http.post(
+            "/end_weight_sync",
+            json={"new_version": "5", "session_token": token, "digests": wrong},
+        )
+        assert ended.status_code == 400 and ended.json()["route"] == "/end_weight_update"
+        assert ended.json()["completed"] == END[:1]
+        assert _state(http)["paused"]
+
+        # A complete round: every step runs, and the replica serves again.
+        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
+        ended = http.post(
+            "/end_weight_sync", json={"new_version": "6", "session_token": begun["session_token"]}
+        )
+        assert ended.status_code == 200 and ended.json()["completed"] == END
+        state = _state(http)
+        assert not state["paused"] and state["memory_released"] == []
+        assert http.get("/get_weight_version").json()["weight_version"] == "6"
+    with httpx.Client(base_url=plain.url, headers=AUTH, timeout=60.0) as http:
+        info = http.get("/server_info").json()
+        assert WEIGHT_SYNC_FUSED not in info["weightsync"]["capabilities"]
+        assert http.post("/begin_weight_sync", json={}).status_code == 404
+
+
+def test_the_manager_fuses_where_advertised_and_makes_eight_calls_elsewhere(
+    replicas, monkeypatch
+) -> None:
+    fused, plain = replicas
+    calls: list[tuple[str, str]] = []
+    original = AsyncHttpClient._call
+
+    async def recorded(self, method, route, **kwargs):
+        calls.append((self.base_url, route))
+        return await original(self, method, route, **kwargs)
+
+    monkeypatch.setattr(AsyncHttpClient, "_call", recorded)
+    config = ws.SyncConfig(
+        control=ws.ControlConfig(api_key=API_KEY, check_weight_update_equal=True),
+        sender=ws.SenderConfig(bucket_bytes=1 << 20),
+        transport=ws.MooncakeConfig(timeout_s=30.0),
+    )
+    lifecycle = set(BEGIN + END + ["/begin_weight_sync", "/end_weight_sync"])
+    with ws.TrainerSync(
+        config, hf_config=TINY, replicas=[fused.url, plain.url], dtype="float32"
+    ) as sync:
+        export = ws.ModelExport(random_model(TINY, seed=3))
+        per_sync, reports = [], []
+        for _ in range(2):
+            calls.clear()
+            reports.append(report := sync.sync(export))
+            assert set(report.verified) == {fused.url, plain.url}
+            per_sync.append(
+                {
+                    url: [r for u, r in calls if u == url and r in lifecycle]
+                    for url in (fused.url, plain.url)
+                }
+            )
+    # The first sync compares against the snapshot before anything serves again, so its end
+    # is the separate calls; the second is fused throughout.
+    first, second = per_sync
+    assert first[fused.url] == ["/begin_weight_sync", *END]
+    assert second[fused.url] == ["/begin_weight_sync", "/end_weight_sync"]
+    for lifecycle_calls in (first[plain.url], second[plain.url]):
+        assert lifecycle_calls == BEGIN + END
+    assert [r.bit_exact for r in reports] == [True, None]
