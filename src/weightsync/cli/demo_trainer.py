@@ -227,7 +227,7 @@ class _MegatronTrainer:
         state: dict[str, torch.Tensor] = {}
         for file in sorted(Path(args.checkpoint).glob("*.safetensors")):
             state.update(load_file(file))
-        load_hf_state(self.trainer.model, state, hf_config=self.config)
+        load_hf_state(self.trainer.chunks, state, hf_config=self.config)
         self.export = self.trainer.export()
         self._reference = None
         if rank == 0:

@@ -48,6 +48,8 @@ class MegatronTrainer:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        vpp: int | None = None,
+        first_stage_layers: int | None = None,
         seed: int = 1234,
         lr: float = 1e-2,
     ) -> None:
@@ -59,6 +61,10 @@ class MegatronTrainer:
             tp, pp, ep: tensor, pipeline and expert parallel sizes (expert TP is 1 when
                 ``ep > 1``: MoE with TP > 1 trains only with sequence parallel, which needs
                 Transformer Engine).
+            vpp: virtual pipeline stages per PP rank (``chunks`` then holds one model per
+                stage; such a trainer exports but does not `train`).
+            first_stage_layers: layers of the first pipeline stage, for uneven stages (the
+                other stages split the rest).
             seed: every rank's torch seed (the weights are drawn whole and split).
             lr: AdamW's learning rate.
 
@@ -78,16 +84,20 @@ class MegatronTrainer:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=1 if moe else None,
         )
         shims.after_parallel_init(seed)
-        self.tp, self.pp, self.ep = tp, pp, ep
-        self.model = self._build(moe)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+        self.tp, self.pp, self.ep, self.vpp = tp, pp, ep, vpp
+        self.first_stage_layers = first_stage_layers
+        self.chunks = [self._build(moe, stage) for stage in range(vpp or 1)]
+        self.model = self.chunks[0]
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
         self.steps_done = 0
 
-    def _build(self, moe: bool) -> torch.nn.Module:
+    def _build(self, moe: bool, stage: int) -> torch.nn.Module:
         import torch.nn.functional as F
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
@@ -140,6 +150,8 @@ class MegatronTrainer:
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             cross_entropy_loss_fusion=False,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            num_layers_in_first_pipeline_stage=self.first_stage_layers,
             **options,
         )
         tied = bool(hf.tie_word_embeddings)
@@ -152,6 +164,7 @@ class MegatronTrainer:
             normalization="RMSNorm",
         )
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        num_stages = self.vpp or 1
         rope = getattr(hf, "rope_parameters", None) or {}
         with shims.cuda_is_noop():
             return GPTModel(
@@ -159,11 +172,12 @@ class MegatronTrainer:
                 transformer_layer_spec=spec,
                 vocab_size=padded_vocab(hf.vocab_size, self.tp),
                 max_sequence_length=hf.max_position_embeddings,
-                pre_process=pp_rank == 0,
-                post_process=pp_rank == self.pp - 1,
+                pre_process=pp_rank == 0 and stage == 0,
+                post_process=pp_rank == self.pp - 1 and stage == num_stages - 1,
                 share_embeddings_and_output_weights=tied,
                 position_embedding_type="rope",
                 rotary_base=int(rope.get("rope_theta", 1_000_000)),
+                vp_stage=stage if self.vpp else None,
             )
 
     def train(self, steps: int = 1, *, batch: int = 2, seq_len: int = 16) -> list[float]:
@@ -171,6 +185,8 @@ class MegatronTrainer:
         own); collective over every rank. Returns the losses, on the last stage (else [])."""
         from megatron.core import parallel_state
 
+        if len(self.chunks) > 1:
+            raise ValueError("MegatronTrainer trains without virtual pipeline stages only")
         dp_rank = parallel_state.get_data_parallel_rank()
         losses = []
         for _ in range(steps):
@@ -243,7 +259,7 @@ class MegatronTrainer:
 
     def export(self) -> MegatronExport:
         """This rank's export (no collective)."""
-        return MegatronExport(self.model, hf_config=self.config)
+        return MegatronExport(self.chunks, hf_config=self.config)
 
     def bridge_state(self) -> dict[str, torch.Tensor]:
         """Megatron-Bridge's export of the whole model (collective: every rank gets every HF
@@ -257,7 +273,7 @@ class MegatronTrainer:
         bridge = AutoBridge.from_hf_config(hf)
         vocab = self.hf_config.vocab_size
         state = {}
-        for name, tensor in bridge.export_hf_weights([self.model], cpu=True, show_progress=False):
+        for name, tensor in bridge.export_hf_weights(self.chunks, cpu=True, show_progress=False):
             if name == "lm_head.weight" and self.hf_config.tie_word_embeddings:
                 continue
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -273,7 +289,10 @@ class MegatronTrainer:
 
 
 def load_hf_state(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], *, hf_config: Any
+    model: torch.nn.Module | list[torch.nn.Module],
+    state: dict[str, torch.Tensor],
+    *,
+    hf_config: Any,
 ) -> None:
     """Copy an HF checkpoint's tensors into this rank's parameters, each window from the box
     `weightsync.export.megatron.megatron_pieces` maps it to (padding rows are left as
