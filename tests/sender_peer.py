@@ -5,8 +5,9 @@ from `rank_layout`, register them with one `MooncakeTransport` per rank (or, wit
 ``--cuda-device``, on that GPU with one `CudaIpcTransport` per rank) and print one JSON
 line ``{"targets": [...]}`` (the readiness signal). Then answer JSON commands on stdin, one
 reply line each: ``fill`` (every parameter set to a value), ``check`` (compare with
-`shard_state_dict` of a seeded random model; list what differs), ``unchanged`` (list what is
-no longer the fill value), ``digests`` (every rank's parameter digests), ``quit``.
+`shard_state_dict` of a seeded random model, its linear weights quantised by the reference
+block-FP8 quantiser when the group's config is block FP8; list what differs), ``unchanged``
+(list what is no longer the fill value), ``digests`` (every rank's parameter digests), ``quit``.
 
 ``send``: one trainer rank (of a gloo group when ``--world-size > 1``) exports its pipeline
 stage of a seeded random model, builds the plan for the given targets and pushes; prints its
@@ -26,8 +27,10 @@ from typing import Any
 
 import torch
 
+from fp8_reference import reference_quantize
 from weightsync.export import ModelExport
 from weightsync.layout import ParallelismConfig, rank_layout
+from weightsync.layout.quant import is_quantized_hf_name
 from weightsync.plan import TargetRank, build_plan
 from weightsync.receiver.digest import ParameterDigests
 from weightsync.receiver.loader import shard_state_dict
@@ -87,7 +90,11 @@ def _receive(groups: list[dict[str, Any]], dtype: str, cuda_device: int | None) 
         if command["cmd"] == "fill":
             for *_, params in selected:
                 for tensor in params.values():
-                    tensor.fill_(command["value"])
+                    # torch cannot fill FP8 tensors: fill their bytes.
+                    if tensor.element_size() == 1:
+                        tensor.view(torch.uint8).fill_(int(command["value"]))
+                    else:
+                        tensor.fill_(command["value"])
             _reply({"ok": True})
         elif command["cmd"] == "unchanged":
             changed = [
@@ -107,6 +114,11 @@ def _receive(groups: list[dict[str, Any]], dtype: str, cuda_device: int | None) 
         elif command["cmd"] == "check":
             model = random_model(selected[0][0]["model"], seed=command["seed"])
             hf_state = dict(ModelExport(model))
+            block = (selected[0][0]["model"].get("quantization_config") or {}).get(
+                "weight_block_size"
+            )
+            if block:
+                hf_state = _reference_fp8(hf_state, block[0])
             mismatched = []
             for _, parallelism, _, params in selected:
                 expected = shard_state_dict(hf_state, selected[0][0]["model"], parallelism, dtype)
@@ -121,6 +133,16 @@ def _receive(groups: list[dict[str, Any]], dtype: str, cuda_device: int | None) 
             _reply({"mismatched": mismatched, "num_params": sum(len(r[3]) for r in selected)})
     for *_, transport, _ in ranks:
         transport.close()
+
+
+def _reference_fp8(hf_state: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in hf_state.items():
+        if is_quantized_hf_name(name):
+            out[name], out[name + "_scale_inv"] = reference_quantize(tensor, block)
+        else:
+            out[name] = tensor
+    return out
 
 
 def _memory_kib(field: str) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from weightsync.control.protocol import (
     PARALLELISM_CONFIG,
+    POST_LOAD_AT_UPDATE_END,
     ReplicaProtocol,
     derive_parallelism,
     num_ranks,
@@ -135,3 +136,25 @@ def test_a_replica_that_moves_its_weights_is_refused_before_any_write() -> None:
     # and generation was never paused.
     assert not any("transfer_engine_info" in call for call in calls)
     assert "/pause_generation" not in calls
+
+
+@pytest.mark.parametrize(
+    ("info", "runs"),
+    [
+        (SGLANG, True),
+        ({**SGLANG, "version": "0.5.22"}, False),
+        ({**SGLANG, "version": "0.6.0rc1"}, True),
+        ({**SGLANG, "version": "unknown"}, False),
+        ({**SGLANG, "weightsync": {"version": "0.1.0", "capabilities": []}}, False),
+        (
+            {
+                **SGLANG,
+                "weightsync": {"version": "0.1.0", "capabilities": [POST_LOAD_AT_UPDATE_END]},
+            },
+            True,
+        ),
+    ],
+)
+def test_which_replicas_run_post_load_at_end_weight_update(info: dict, runs: bool) -> None:
+    # A one-sided write of an MLA model needs it: w_kc / w_vc follow kv_b_proj only then.
+    assert ReplicaProtocol.from_server_info(info).runs_post_load() is runs

@@ -159,11 +159,9 @@ def test_checker_quant_error_and_skip_list():
     checker.run("snapshot")
     bump(1)
     assert not checker.run("compare").success
+    # As in SGLang, the flag loosens block-FP8 weights only: other parameters stay bitwise.
     checker.run("snapshot")
     bump(1)
-    assert checker.run("compare", allow_quant_error=True).success
-    checker.run("snapshot")
-    bump(2)
     report = checker.run("compare", allow_quant_error=True)
     assert not report.success and "d.weight: 1/7 elements differ" in report.message
 
@@ -214,3 +212,42 @@ def test_publish_to_bootstrap_server(transports):
         assert session_id == agent.session_id
         assert {k: list(v) for k, v in weights_info.items()} == agent.weights_info()
         assert parallelism == PARALLELISM
+
+
+def test_checker_compares_block_fp8_weights_dequantised_as_sglang_does():
+    """A block-FP8 weight and its scale are one pair compared in dequantised bf16: other
+    bytes with the same values pass; one e4m3 step passes only with allow_quant_error; the
+    scale is compared through its weight; raw parameters stay bitwise."""
+    codes = (torch.arange(256 * 128, dtype=torch.float32).reshape(256, 128) % 57 - 28) / 4
+    params = {
+        "w.weight": codes.to(torch.float8_e4m3fn),
+        "w.weight_scale_inv": torch.tensor([[0.5], [0.25]]),
+        "n.weight": torch.ones(8, dtype=torch.bfloat16),
+    }
+    checker = WeightsChecker(params)
+    checker.run("snapshot")
+    # The same values in other bytes: codes doubled, scales halved.
+    params["w.weight"].copy_((codes * 2).to(torch.float8_e4m3fn))
+    params["w.weight_scale_inv"].mul_(0.5)
+    report = checker.run("compare")
+    assert report.success, report.message
+    assert "block-FP8 weights dequantised" in report.message
+
+    checker.run("snapshot")
+    bits = params["w.weight"].view(torch.uint8)
+    bits[3, 5] += 1  # one e4m3 step
+    assert not checker.run("compare").success
+    checker.run("snapshot")
+    bits[3, 5] += 1
+    assert checker.run("compare", allow_quant_error=True).success
+    checker.run("snapshot")
+    bits[3, 5] += 3  # three steps: beyond one of each side
+    report = checker.run("compare", allow_quant_error=True)
+    assert not report.success and "w.weight (FP8 with its weight_scale_inv" in report.message
+
+    checker.run("snapshot")
+    params["w.weight_scale_inv"][1, 0] *= 1.5  # a stale scale shows in its weight
+    report = checker.run("compare", allow_quant_error=True)
+    assert set(report.details["differing"]) == {
+        "w.weight (FP8 with its weight_scale_inv, dequantised)"
+    }

@@ -30,11 +30,19 @@ from weightsync.cli.demo_trainer import (
 )
 from weightsync.cli.logs import configure_logging
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
+from weightsync.layout.families import family_for
 from weightsync.server.lifetime import ParentGoneError, exit_with_parent
 from weightsync.testing.launcher import ServedReplica, start_replicas
-from weightsync.testing.presets import DEMO_PRESETS, preset_config, write_random_checkpoint
+from weightsync.testing.presets import (
+    DEMO_PRESETS,
+    preset_config,
+    write_fp8_checkpoint,
+    write_random_checkpoint,
+)
 
 _PROMPTS = ((1, 17, 42, 7), (5, 99, 3, 250, 11, 8), (600, 2, 2, 31))
+# DeepSeek-V3's and Kimi-K2's FP8 block.
+_FP8_BLOCK = 128
 
 
 def demo(
@@ -55,6 +63,13 @@ def demo(
     model: Annotated[str, typer.Option(help=f"Model preset: {', '.join(DEMO_PRESETS)}.")] = "tiny",
     steps: Annotated[int, typer.Option(help="Optimizer steps (one sync after each).")] = 3,
     dtype: Annotated[str, typer.Option(help="Rollout dtype: bf16, fp16 or fp32.")] = "bf16",
+    rollout_fp8: Annotated[
+        bool,
+        typer.Option(
+            help="Serve a block-FP8 checkpoint (DeepSeek-V3 family): the trainer learns it from "
+            "the replicas and quantises what it syncs."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     workdir: Annotated[
         Path | None, typer.Option(help="Where to put the checkpoint and logs (kept).")
@@ -82,7 +97,12 @@ def demo(
     the replicas and trainer ranks it starts stop when it dies.
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
-    _check_trainer(trainer, trainer_ranks, trainer_pp, trainer_tp, trainer_ep, model)
+    _check_trainer(trainer, trainer_ranks, trainer_pp, trainer_tp, trainer_ep, model, rollout_fp8)
+    if rollout_fp8 and not family_for(preset_config(model)["model_type"]).deepseek_moe:
+        raise typer.BadParameter(
+            f"block FP8 is laid out for the DeepSeek-V3 family (e.g. tiny-deepseek), not {model}",
+            param_hint="--rollout-fp8",
+        )
     configure_logging(verbose=verbose)
     quiet_transformers()
     console = Console(stderr=True)
@@ -111,10 +131,13 @@ def demo(
                 # The Megatron trainer builds every layer as an MoE layer.
                 config["mlp_only_layers"] = []
             checkpoint = write_random_checkpoint(root / "checkpoint", config, seed=0)
+            served = checkpoint
+            if rollout_fp8:
+                served = write_fp8_checkpoint(root / "checkpoint-fp8", checkpoint, block=_FP8_BLOCK)
             progress.update(task, advance=1, description=f"starting {replicas} replica(s)")
             api_key = secrets.token_hex(16)
             started = start_replicas(
-                checkpoint,
+                served,
                 num_replicas=replicas,
                 tp=rollout_tp,
                 ep=rollout_ep,
@@ -139,6 +162,7 @@ def demo(
                 trainer=trainer,
                 tp_size=trainer_tp,
                 ep_size=trainer_ep,
+                fp8_block=_FP8_BLOCK if rollout_fp8 else 0,
                 verbose=verbose,
             )
             ctx = multiprocessing.get_context("spawn")
@@ -321,12 +345,18 @@ def _check_args(
         bad("--steps", "must not be negative")
     if dtype not in ROLLOUT_DTYPE_CHOICES:
         bad("--dtype", f"choose one of {', '.join(ROLLOUT_DTYPE_CHOICES)}")
-    if rollout_ep > 1 and not preset_config(model)["model_type"].endswith("moe"):
+    if rollout_ep > 1 and not family_for(preset_config(model)["model_type"]).moe:
         bad("--rollout-ep", f"expert parallelism needs an MoE model (e.g. tiny-moe), not {model}")
 
 
 def _check_trainer(
-    trainer: str, trainer_ranks: int, trainer_pp: int, tp: int, ep: int, model: str
+    trainer: str,
+    trainer_ranks: int,
+    trainer_pp: int,
+    tp: int,
+    ep: int,
+    model: str,
+    rollout_fp8: bool,
 ) -> None:
     def bad(option: str, message: str) -> None:
         raise typer.BadParameter(message, param_hint=option)
@@ -337,6 +367,8 @@ def _check_trainer(
         bad("--trainer-tp" if tp < 1 else "--trainer-ep", "must be at least 1")
     if trainer != "megatron" and (tp > 1 or ep > 1):
         bad("--trainer-tp" if tp > 1 else "--trainer-ep", "only the megatron trainer has it")
+    if trainer != "hf" and rollout_fp8:
+        bad("--rollout-fp8", "an FP8 rollout is synced from the hf trainer")
     if trainer == "fsdp" and trainer_pp > 1:
         bad("--trainer-pp", "the fsdp trainer shards every layer over all ranks; use 1")
     if trainer == "megatron":
@@ -344,7 +376,10 @@ def _check_trainer(
             bad("--trainer", "megatron needs megatron-core (scripts/setup installs it)")
         if trainer_ranks % (tp * trainer_pp):
             bad("--trainer-ranks", f"must be a multiple of tp x pp ({tp} x {trainer_pp})")
-        moe = preset_config(model)["model_type"].endswith("moe")
+        model_type = preset_config(model)["model_type"]
+        if model_type not in ("qwen3", "qwen3_moe"):
+            bad("--model", f"the megatron trainer builds Qwen3 and Qwen3-MoE models, not {model}")
+        moe = model_type == "qwen3_moe"
         if moe and tp > 1:
             bad("--trainer-tp", "the megatron trainer trains MoE models at tp 1 (use --trainer-ep)")
         if ep > 1 and (not moe or trainer_ranks % ep):

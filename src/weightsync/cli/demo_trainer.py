@@ -49,6 +49,7 @@ class TrainerArgs:
     trainer: str = "hf"
     tp_size: int = 1
     ep_size: int = 1
+    fp8_block: int = 0
     verbose: bool = False
 
 
@@ -116,7 +117,11 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
             reference = trainer.reference()
             if rank == 0:
                 expected = greedy_tokens(
-                    reference, rollout_dtype, args.prompts, args.max_new_tokens
+                    reference,
+                    rollout_dtype,
+                    args.prompts,
+                    args.max_new_tokens,
+                    fp8_block=args.fp8_block,
                 )
                 actual = asyncio.run(
                     served_tokens(

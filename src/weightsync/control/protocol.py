@@ -29,6 +29,12 @@ GET_WEIGHT_VERSION = "get_weight_version"  # GET /get_weight_version (Miles)
 WEIGHT_UPDATE_LEASE = "weight_update_lease"
 # end_weight_update takes the trainers' digests (weightsync.layout.digest) and verifies them.
 WEIGHT_UPDATE_DIGEST = "weight_update_digest"
+# end_weight_update runs the engine's post-load processing (MLA's w_kc / w_vc, FP8 weights'
+# post-processing) over the bytes that arrived in the session.
+POST_LOAD_AT_UPDATE_END = "post_load_at_update_end"
+# The first SGLang release whose end_weight_update re-runs post_load_weights and every
+# process_weights_after_loading when nothing was loaded in the session.
+_SGLANG_POST_LOAD = (0, 5, 23)
 # POST /begin_weight_sync (pause, release the KV cache, begin a session) and POST
 # /end_weight_sync (label, end the session, resume, flush, continue): the update lifecycle in
 # two calls instead of eight, with each step's semantics and refusals.
@@ -66,6 +72,20 @@ class ReplicaProtocol:
     def serves(self, capability: str) -> bool:
         """Whether the replica advertised `capability`."""
         return capability in self.capabilities
+
+    def runs_post_load(self) -> bool:
+        """Whether ``end_weight_update`` runs the engine's post-load processing: what one-sided
+        writes need for derived state (MLA's ``w_kc`` / ``w_vc``) to follow the weights.
+        The reference server says so (`POST_LOAD_AT_UPDATE_END`); SGLang from 0.5.23 does."""
+        if self.kind == "weightsync":
+            return self.serves(POST_LOAD_AT_UPDATE_END)
+        numbers = []
+        for part in self.version.split(".")[:3]:
+            digits = "".join(c for c in part if c.isdigit())
+            if not digits:
+                return False
+            numbers.append(int(digits))
+        return tuple(numbers) >= _SGLANG_POST_LOAD
 
     def describe(self) -> str:
         """``"SGLang 0.5.23"`` or ``"weightsync 0.1.0 (parallelism_config, ...)"``."""
@@ -133,6 +153,31 @@ def served_dtype(server_info: Mapping[str, Any]) -> str | None:
         return canonical_dtype_name(dtype)
     except ValueError:
         return None
+
+
+def served_fp8_block(server_info: Mapping[str, Any]) -> int:
+    """The block size of the block-FP8 weights a replica serves, 0 for unquantised ones.
+
+    Read from SGLang's ``quantization`` key and the ``weight_block_size`` the reference
+    server publishes beside it (DeepSeek-V3's and Kimi-K2's 128 when a server names FP8
+    without a block).
+
+    Raises:
+        ValueError: a quantisation weightsync does not write (another method, non-square
+            blocks).
+    """
+    method = server_info.get("quantization")
+    if method in (None, "", "none"):
+        return 0
+    if method != "fp8":
+        raise ValueError(
+            f"the replica serves quantization={method!r}; weightsync writes unquantised and "
+            "block-FP8 ('fp8') rollouts"
+        )
+    block = server_info.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or block[0] != block[1] or not isinstance(block[0], int) or block[0] < 1:
+        raise ValueError(f"the replica serves FP8 with weight_block_size={block!r}: not square")
+    return block[0]
 
 
 # SGLang flags that move, free or repack parameter memory after it was registered, with the

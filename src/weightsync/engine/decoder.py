@@ -58,7 +58,7 @@ class DecoderLayer(torch.nn.Module):
         input_layernorm = RMSNorm(params.take(f"{prefix}.input_layernorm.weight"), eps)
         if spec.mla is not None:
             self_attn: Attention | MLAttention = _build_mla(
-                f"{prefix}.self_attn", params, spec.mla, eps, tp_group
+                f"{prefix}.self_attn", params, spec.mla, eps, tp_group, spec.fp8_block_size
             )
         else:
             self_attn = _build_attention(f"{prefix}.self_attn", index, params, spec, tp_group)
@@ -82,6 +82,28 @@ class DecoderLayer(torch.nn.Module):
         layer_cache = cache.layer(index) if cache is not None else None
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, layer_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _scale(params: LayoutParameters, weight_name: str) -> torch.nn.Parameter | None:
+    """A block-FP8 weight's ``weight_scale_inv`` (after the weight in the layout), or None."""
+    name = weight_name + "_scale_inv"
+    return params.take(name) if params.has(name) else None
+
+
+def column(params: LayoutParameters, weight_name: str, block: int) -> ColumnParallelLinear:
+    """A column-parallel (or replicated) linear of `weight_name`, with its FP8 scales."""
+    weight = params.take(weight_name)
+    return ColumnParallelLinear(weight, weight_scale_inv=_scale(params, weight_name), block=block)
+
+
+def row(
+    params: LayoutParameters, weight_name: str, tp_group: TensorParallelGroup, block: int
+) -> RowParallelLinear:
+    """A row-parallel linear of `weight_name`, with its FP8 scales."""
+    weight = params.take(weight_name)
+    return RowParallelLinear(
+        weight, tp_group, weight_scale_inv=_scale(params, weight_name), block=block
+    )
 
 
 def _build_attention(
@@ -118,10 +140,11 @@ def _build_mla(
     mla: MlaSpec,
     eps: float,
     tp_group: TensorParallelGroup,
+    block: int,
 ) -> MLAttention:
     def linear(name: str) -> ColumnParallelLinear:
         # Replicated and column-parallel projections multiply alike; only o_proj reduces.
-        return ColumnParallelLinear(params.take(f"{prefix}.{name}.weight"))
+        return column(params, f"{prefix}.{name}.weight", block)
 
     projections: dict[str, ColumnParallelLinear | RMSNorm] = {}
     if params.has(f"{prefix}.fused_qkv_a_proj_with_mqa.weight"):
@@ -133,7 +156,7 @@ def _build_mla(
         projections["kv_a_proj_with_mqa"] = linear("kv_a_proj_with_mqa")
     return MLAttention(
         kv_b_proj=linear("kv_b_proj"),
-        o_proj=RowParallelLinear(params.take(f"{prefix}.o_proj.weight"), tp_group),
+        o_proj=row(params, f"{prefix}.o_proj.weight", tp_group, block),
         kv_a_layernorm=RMSNorm(params.take(f"{prefix}.kv_a_layernorm.weight"), eps),
         spec=mla,
         **projections,
@@ -147,10 +170,11 @@ def _build_mlp(
     tp_group: TensorParallelGroup,
     ep_rank: int,
 ) -> MLP | SparseMoE:
+    block = spec.fp8_block_size
     if not params.has(f"{prefix}.experts.w13_weight"):
         return MLP(
-            ColumnParallelLinear(params.take(f"{prefix}.gate_up_proj.weight")),
-            RowParallelLinear(params.take(f"{prefix}.down_proj.weight"), tp_group),
+            column(params, f"{prefix}.gate_up_proj.weight", block),
+            row(params, f"{prefix}.down_proj.weight", tp_group, block),
         )
     gate: Router | GroupedTopkRouter
     shared_experts = None
@@ -166,8 +190,8 @@ def _build_mlp(
             routed_scaling_factor=routing.routed_scaling_factor,
         )
         shared_experts = MLP(
-            ColumnParallelLinear(params.take(f"{prefix}.shared_experts.gate_up_proj.weight")),
-            RowParallelLinear(params.take(f"{prefix}.shared_experts.down_proj.weight"), tp_group),
+            column(params, f"{prefix}.shared_experts.gate_up_proj.weight", block),
+            row(params, f"{prefix}.shared_experts.down_proj.weight", tp_group, block),
         )
     else:
         gate = Router(
@@ -179,6 +203,9 @@ def _build_mlp(
         params.take(f"{prefix}.experts.w13_weight"),
         params.take(f"{prefix}.experts.w2_weight"),
         ep_rank=ep_rank,
+        w13_weight_scale_inv=_scale(params, f"{prefix}.experts.w13_weight"),
+        w2_weight_scale_inv=_scale(params, f"{prefix}.experts.w2_weight"),
+        block=block,
     )
     return SparseMoE(gate, experts, tp_group, shared_experts)
 

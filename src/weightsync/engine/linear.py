@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from weightsync.engine.fp8 import weight_in
 from weightsync.engine.tp_group import TensorParallelGroup
 
 
@@ -29,16 +30,31 @@ class ColumnParallelLinear(torch.nn.Module):
     Args:
         weight: ``[out_local, in]``.
         bias: ``[out_local]`` or ``None``.
+        weight_scale_inv: a block-FP8 weight's float32 block scales, or ``None``.
+        block: the FP8 block size (with ``weight_scale_inv``).
     """
 
-    def __init__(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None = None):
+    def __init__(
+        self,
+        weight: torch.nn.Parameter,
+        bias: torch.nn.Parameter | None = None,
+        *,
+        weight_scale_inv: torch.nn.Parameter | None = None,
+        block: int = 0,
+    ):
         super().__init__()
         self.weight = weight
         self.bias = bias
+        self.weight_scale_inv = weight_scale_inv
+        self.block = block
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (dequantised when it is FP8)."""
+        return weight_in(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out_local]``."""
-        return F.linear(x, as_compute(self.weight, x), as_compute(self.bias, x))
+        return F.linear(x, self.dense_weight(x.dtype), as_compute(self.bias, x))
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -47,12 +63,23 @@ class RowParallelLinear(torch.nn.Module):
     Args:
         weight: ``[out, in_local]``.
         tp_group: the group whose ranks hold the other input columns.
+        weight_scale_inv: a block-FP8 weight's float32 block scales, or ``None``.
+        block: the FP8 block size (with ``weight_scale_inv``).
     """
 
-    def __init__(self, weight: torch.nn.Parameter, tp_group: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        weight: torch.nn.Parameter,
+        tp_group: TensorParallelGroup,
+        *,
+        weight_scale_inv: torch.nn.Parameter | None = None,
+        block: int = 0,
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.tp_group = tp_group
+        self.weight_scale_inv = weight_scale_inv
+        self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_local]`` (this rank's shard) -> the full ``[..., out]``."""
@@ -61,4 +88,4 @@ class RowParallelLinear(torch.nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the sum `forward` returns (no all-reduce), for a caller that
         adds several partial sums before reducing them once."""
-        return F.linear(x, as_compute(self.weight, x))
+        return F.linear(x, weight_in(self.weight, self.weight_scale_inv, self.block, x.dtype))

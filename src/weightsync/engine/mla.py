@@ -123,9 +123,12 @@ class MLAttention(torch.nn.Module):
         # Plain attributes, not parameters or buffers, as in SGLang: no sync writes them and no
         # weights checker sees them. Allocated once with SGLang's strides; post_load refills
         # them in place, as its bind_or_assign does after the first load.
+        # An FP8 kv_b_proj gives w_kc / w_vc dequantised, in the model dtype (SGLang's
+        # block-FP8 branch: bf16); the norms are never quantised.
+        self.derived_dtype = kv_a_layernorm.weight.dtype
         weight = kv_b_proj.weight
         w_kc, w_vc = derive_w_kc_w_vc(
-            torch.zeros_like(weight),
+            torch.zeros(weight.shape, dtype=self.derived_dtype, device=weight.device),
             qk_nope_head_dim=spec.qk_nope_head_dim,
             v_head_dim=spec.v_head_dim,
         )
@@ -134,9 +137,10 @@ class MLAttention(torch.nn.Module):
 
     @torch.no_grad()
     def post_load(self) -> None:
-        """Derive ``w_kc`` / ``w_vc`` from ``kv_b_proj``'s current bytes, in place."""
+        """Derive ``w_kc`` / ``w_vc`` from ``kv_b_proj``'s current bytes, in place (an FP8
+        ``kv_b_proj`` dequantised first, as SGLang's ``post_load_weights`` does)."""
         w_kc, w_vc = derive_w_kc_w_vc(
-            self.kv_b_proj.weight,
+            self.kv_b_proj.dense_weight(self.derived_dtype),
             qk_nope_head_dim=self.spec.qk_nope_head_dim,
             v_head_dim=self.spec.v_head_dim,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from weightsync.engine.fp8 import weight_in
 from weightsync.engine.linear import as_compute
 from weightsync.engine.mlp import MLP
 from weightsync.engine.tp_group import TensorParallelGroup
@@ -134,15 +135,33 @@ class Experts(torch.nn.Module):
         w13_weight: ``[E_local, 2 * I / moe_tp_size, hidden]``.
         w2_weight: ``[E_local, hidden, I / moe_tp_size]``.
         ep_rank: which block of experts this rank holds.
+        w13_weight_scale_inv: block-FP8 scales of ``w13_weight``, or ``None``.
+        w2_weight_scale_inv: block-FP8 scales of ``w2_weight``, or ``None``.
+        block: the FP8 block size (with the scales).
     """
 
     def __init__(
-        self, w13_weight: torch.nn.Parameter, w2_weight: torch.nn.Parameter, *, ep_rank: int
+        self,
+        w13_weight: torch.nn.Parameter,
+        w2_weight: torch.nn.Parameter,
+        *,
+        ep_rank: int,
+        w13_weight_scale_inv: torch.nn.Parameter | None = None,
+        w2_weight_scale_inv: torch.nn.Parameter | None = None,
+        block: int = 0,
     ) -> None:
         super().__init__()
         self.w13_weight = w13_weight
         self.w2_weight = w2_weight
+        self.w13_weight_scale_inv = w13_weight_scale_inv
+        self.w2_weight_scale_inv = w2_weight_scale_inv
+        self.block = block
         self.first_expert = ep_rank * w13_weight.shape[0]
+
+    def _expert(self, weight: torch.Tensor, scale: torch.Tensor | None, index: int, x):
+        return weight_in(
+            weight[index], None if scale is None else scale[index], self.block, x.dtype
+        )
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -154,10 +173,10 @@ class Experts(torch.nn.Module):
             token_ids, slot = torch.where(local == index)
             if token_ids.numel() == 0:
                 continue
-            gate, up = F.linear(x[token_ids], as_compute(self.w13_weight[index], x)).chunk(
-                2, dim=-1
-            )
-            expert_out = F.linear(F.silu(gate) * up, as_compute(self.w2_weight[index], x))
+            w13 = self._expert(self.w13_weight, self.w13_weight_scale_inv, index, x)
+            w2 = self._expert(self.w2_weight, self.w2_weight_scale_inv, index, x)
+            gate, up = F.linear(x[token_ids], w13).chunk(2, dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, w2)
             out.index_add_(0, token_ids, expert_out * weights[token_ids, slot, None])
         return out
 

@@ -122,6 +122,8 @@ class ModelSpec:
         norm_topk_prob: whether the top-k routing weights are renormalised to sum to one.
         mla: multi-head latent attention's numbers, or ``None`` for grouped-head attention.
         grouped_routing: DeepSeek's grouped top-k router, or ``None`` for softmax top-k.
+        fp8_block_size: the block of a block-FP8 checkpoint's weights (its linear weights
+            are e4m3 with float32 block scales, dequantised where used); 0 for none.
     """
 
     model_type: str
@@ -135,6 +137,7 @@ class ModelSpec:
     norm_topk_prob: bool = False
     mla: MlaSpec | None = None
     grouped_routing: GroupedRouting | None = None
+    fp8_block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in ENGINE_MODEL_TYPES:
@@ -234,4 +237,5 @@ class ModelSpec:
             norm_topk_prob=norm_topk_prob,
             mla=mla,
             grouped_routing=grouped_routing,
+            fp8_block_size=(dims.get("quantization_config") or {}).get("weight_block_size", [0])[0],
         )

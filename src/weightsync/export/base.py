@@ -30,6 +30,10 @@ class WeightExport(Protocol):
     3. iterate it once: every tensor `holding` named, in the order `geometry` gave,
        each laid out as it said. Iterating must not run collectives: ranks iterate at
        different speeds.
+
+    A push may iterate more than once (a plan of several dtypes, the finite check); an
+    export that computes its tensors (`weightsync.export.Fp8Export`) may define
+    ``begin_push()``, which the sender calls once before a push's first iteration.
     """
 
     def holding(self) -> Mapping[str, TensorMeta]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from weightsync.layout.dtypes import resolve_dtype_name
 from weightsync.layout.families import family_for
+from weightsync.layout.quant import block_fp8_size, fp8_quantization_config
 
 # config.json spellings that differ from the name used here. transformers 5 saves
 # qwen3_moe's expert count as `num_local_experts`; DeepSeek-V3 calls it `n_routed_experts`.
@@ -28,6 +29,8 @@ class ModelDims:
     family does not have are zero / empty / None: the MoE fields for dense families,
     ``num_key_value_heads`` and ``head_dim`` for MLA (whose heads are made by ``kv_b_proj``,
     not grouped), the MLA and DeepSeek-MoE fields for every other family.
+    ``fp8_block_size`` is the block of a block-FP8 checkpoint (`weightsync.layout.quant`),
+    0 for an unquantised one.
 
     Raises:
         ValueError: a size is not a positive int, or the heads do not group evenly.
@@ -54,6 +57,7 @@ class ModelDims:
     v_head_dim: int = 0
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
+    fp8_block_size: int = 0
 
     def __post_init__(self) -> None:
         family = family_for(self.model_type)
@@ -85,6 +89,11 @@ class ModelDims:
                     f"{self.model_type} config: first_k_dense_replace must be an int >= 0, "
                     f"got {value!r}"
                 )
+        if self.fp8_block_size and not family.deepseek_moe:
+            raise ValueError(
+                f"{self.model_type} config: block-FP8 checkpoints are laid out for the "
+                "DeepSeek-V3 family only"
+            )
         if not family.mla and self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"{self.model_type} config: num_attention_heads={self.num_attention_heads} "
@@ -212,6 +221,7 @@ def model_dims(hf_config: Any) -> ModelDims:
         num_attention_heads=num_heads,
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         dtype=resolve_dtype_name(dtype) if dtype is not None else "float32",
+        fp8_block_size=block_fp8_size(data.get("quantization_config"), family.model_type),
         **fields,
     )
 
@@ -251,7 +261,8 @@ def normalize_hf_config(hf_config: Any) -> dict[str, Any]:
         ``qk_rope_head_dim``, ``v_head_dim``; for MoE families ``num_experts`` and
         ``moe_intermediate_size``, then qwen3_moe's ``decoder_sparse_step`` and
         ``mlp_only_layers`` (a list) or DeepSeek's ``n_shared_experts`` and
-        ``first_k_dense_replace``. Feeding it back in gives the same layout.
+        ``first_k_dense_replace``; for a block-FP8 checkpoint its ``quantization_config``.
+        Feeding it back in gives the same layout.
 
     Raises:
         ValueError: as for `model_dims`.
@@ -281,6 +292,8 @@ def normalize_hf_config(hf_config: Any) -> dict[str, Any]:
     data = {name: getattr(dims, name) for name in names}
     if "mlp_only_layers" in data:
         data["mlp_only_layers"] = list(dims.mlp_only_layers)
+    if dims.fp8_block_size:
+        data["quantization_config"] = fp8_quantization_config(dims.fp8_block_size)
     return data
 
 

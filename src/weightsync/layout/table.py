@@ -22,6 +22,7 @@ from weightsync.layout.moe import (
 from weightsync.layout.names import EMBED_TOKENS, FINAL_NORM, LM_HEAD, layer_prefix
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.partition import partition_rank
+from weightsync.layout.quant import quantize_params, quantized_hf_shapes
 from weightsync.layout.segments import replicated_param
 from weightsync.layout.shared_experts import fused_shared_experts_error
 from weightsync.layout.types import ParamLayout
@@ -77,6 +78,8 @@ def _hf_shapes(dims: ModelDims) -> tuple[tuple[str, tuple[int, ...]], ...]:
     shapes[FINAL_NORM] = (hidden,)
     if not dims.tie_word_embeddings:
         shapes[LM_HEAD] = (dims.vocab_size, hidden)
+    if dims.fp8_block_size:
+        shapes = quantized_hf_shapes(shapes, dims.fp8_block_size)
     return tuple(shapes.items())
 
 
@@ -87,6 +90,8 @@ def hf_tensor_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``); there is no ``lm_head.weight`` when
     the embeddings are tied. DeepSeek's ``mlp.gate.e_score_correction_bias`` is among them: a
     buffer in transformers' model (in its ``state_dict()``, not its ``named_parameters()``).
+    A block-FP8 config (``quantization_config``) adds each linear weight's
+    ``weight_scale_inv`` right after it (`weightsync.layout.quant`).
 
     Args:
         hf_config: a transformers config object or a config.json dict.
@@ -125,6 +130,11 @@ def _rank_layout(
         params.append(vocab_param(LM_HEAD, LM_HEAD, dims, part, dtype))
     elif family.lm_head_when_tied:
         params.append(vocab_param(LM_HEAD, EMBED_TOKENS, dims, part, dtype))
+    if dims.fp8_block_size:
+        where = f"tp_size={parallelism.tp_size}, ep_size={parallelism.ep_size}"
+        params = quantize_params(
+            params, dict(_hf_shapes(dims)), block=dims.fp8_block_size, where=where
+        )
     return tuple(params)
 
 
@@ -147,7 +157,10 @@ def rank_layout(
     Results are cached, so calling it once per rank of many replicas is cheap.
 
     Every parameter has the rollout dtype except DeepSeek's ``e_score_correction_bias``, which
-    is float32 in any rollout (``ParamLayout.dtype`` says so per parameter).
+    is float32 in any rollout (``ParamLayout.dtype`` says so per parameter). A block-FP8
+    config (``quantization_config``) makes every linear weight ``float8_e4m3fn`` followed by
+    its float32 ``weight_scale_inv`` (`weightsync.layout.quant`; a split that cuts a scale
+    block is refused).
 
     Args:
         hf_config: a transformers config object or a config.json dict.

@@ -40,9 +40,12 @@ class PushOrder:
 
     Attributes:
         new_plan: the plan changed; a scatter of every rank's `SourcePlan` follows.
+        fp8_block_size: the rollout serves block-FP8 weights of this block (its published
+            metadata): push the export through `weightsync.export.Fp8Export`; 0 for none.
     """
 
     new_plan: bool
+    fp8_block_size: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

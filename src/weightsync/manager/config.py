@@ -22,7 +22,8 @@ class ControlConfig:
         api_key: sent as ``Authorization: Bearer`` to every replica, or None.
         check_weight_update_equal: snapshot and corrupt every replica's weights before the
             first sync, and require the first sync to restore them bit-exactly.
-        allow_quant_error: let the bit-exact check accept one quantised-dtype ULP.
+        allow_quant_error: let the bit-exact check accept, in block-FP8 weights only, one
+            e4m3 step of either side after dequantisation (SGLang's weights checker).
         pause_mode: how in-flight requests are paused (``abort``, ``retract``, ``in_place``).
         selector: which weights a session updates (``target``, ``draft``, ``all``).
         release_kv_cache: release the KV cache during the update and resume it after.

@@ -19,6 +19,7 @@ from weightsync.control.protocol import (
     num_ranks,
     refusal,
     served_dtype,
+    served_fp8_block,
 )
 from weightsync.errors import (
     LayoutMismatchError,
@@ -224,6 +225,10 @@ class SyncManager:
             raise failures[0][1]
         self._ranks.update(fetched)
         return tuple(t for url in replicas for t in self._ranks[url])
+
+    def protocol(self, url: str) -> ReplicaProtocol | None:
+        """What replica `url` serves, once first contact learned it (else None)."""
+        return self._protocols.get(url)
 
     async def update_weights(self, push: PushFn, *, version: str | None = None) -> SyncReport:
         """Run one update through every replica; see the class docstring for the order.
@@ -700,13 +705,18 @@ class SyncManager:
 
         outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
         results = dict(zip(replicas, outcomes, strict=True))
+        unfinished = await self._abandon_unfinished(results)
+        return tuple(u for u, ok in results.items() if ok is True), unfinished
+
+    async def _abandon_unfinished(self, results: dict[str, Any]) -> dict[str, str]:
+        """The replicas whose finish raised, marked dirty and abandoned paused, with why."""
         unfinished = {u: str(r) for u, r in results.items() if isinstance(r, BaseException)}
         if unfinished:
             self._dirty.update(unfinished)
             for url in unfinished:
                 self._served.pop(url, None)
             await self._abandon(tuple(unfinished), resume=False)
-        return tuple(u for u, ok in results.items() if ok is True), unfinished
+        return unfinished
 
     async def _finish_fused(
         self,
@@ -751,12 +761,7 @@ class SyncManager:
 
         outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
         results = dict(zip(replicas, outcomes, strict=True))
-        unfinished = {u: str(r) for u, r in results.items() if isinstance(r, BaseException)}
-        if unfinished:
-            self._dirty.update(unfinished)
-            for url in unfinished:
-                self._served.pop(url, None)
-            await self._abandon(tuple(unfinished), resume=False)
+        unfinished = await self._abandon_unfinished(results)
         done = {u: r for u, r in results.items() if not isinstance(r, BaseException)}
         verified = tuple(u for u, (ok, _) in done.items() if ok)
         resume_failed = {u: exc for u, (_, exc) in done.items() if exc is not None}
@@ -778,6 +783,12 @@ class SyncManager:
         infos, configs = await asyncio.gather(engine_infos, parallelism)
         self._protocols[url] = protocol
         dtype = served_dtype(server_info)
+        try:
+            fp8_block = served_fp8_block(server_info)
+        except ValueError as exc:
+            raise RemoteReplicaError(
+                f"replica {url}: {exc}", replica=url, route="/server_info"
+            ) from exc
         return tuple(
             TargetRank(
                 replica=url,
@@ -788,6 +799,7 @@ class SyncManager:
                     k: tuple(v) for k, v in info.remote_instance_transfer_engine_info[1].items()
                 },
                 dtype=dtype,
+                fp8_block_size=fp8_block,
                 regions=tuple(map(tuple, info.registered_regions))
                 if info.registered_regions is not None
                 else None,

@@ -7,9 +7,13 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from weightsync.errors import PartialPushError, WeightsRefusedError
+from weightsync.errors import LayoutMismatchError, PartialPushError, WeightsRefusedError
 from weightsync.export.base import WeightExport
 from weightsync.export.consistency import box_digests, replica_mismatches
+from weightsync.export.fp8 import Fp8Export, fp8_holding
+from weightsync.layout.config import config_data, model_dims
+from weightsync.layout.families import family_for
+from weightsync.layout.quant import fp8_quantization_config as fp8_config
 from weightsync.manager.collective import (
     Collective,
     CollectiveError,
@@ -111,7 +115,8 @@ class TrainerSync:
         self._dtype = dtype
         self._skip_tensors = tuple(skip_tensors)
         self._plan: SourcePlan | None = None  # this rank's share of the current plan
-        self._plan_key: tuple[int, tuple[SourceHolding, ...]] | None = None  # driver only
+        self._plan_key: tuple[int, tuple[SourceHolding, ...], int] | None = None  # driver only
+        self._fp8: Fp8Export | None = None  # the last export quantised for an FP8 rollout
         self._closed = False
 
     @property
@@ -211,7 +216,7 @@ class TrainerSync:
             # mismatch fails the sync with nothing written.
             plans = await asyncio.to_thread(self._source_plans, targets, epoch, holdings)
             pushed = True
-            order = PushOrder(new_plan=plans is not None)
+            order = PushOrder(new_plan=plans is not None, fp8_block_size=rollout_fp8(targets))
             await asyncio.to_thread(self._collective.broadcast, order, (PushOrder,))
             return await asyncio.to_thread(self._push, export, targets, order, plans)
 
@@ -250,6 +255,37 @@ class TrainerSync:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _require_post_load(self, targets: Sequence[TargetRank]) -> None:
+        """Refuse, before any write, replicas whose ``end_weight_update`` does not run the
+        post-load processing this model's derived state needs (MLA's ``w_kc`` / ``w_vc``
+        from ``kv_b_proj``): they would serve stale weights after a one-sided write.
+
+        Raises:
+            LayoutMismatchError: naming the replicas and what to run instead.
+        """
+        assert self._manager is not None  # the driver's
+        stale = []
+        for url in sorted({target.replica for target in targets}):
+            protocol = self._manager.protocol(url)
+            if protocol is not None and not protocol.runs_post_load():
+                stale.append(f"{url} ({protocol.describe()})")
+        if stale:
+            raise LayoutMismatchError(
+                f"replicas {', '.join(stale)} do not run post-load processing at "
+                "end_weight_update, so MLA's w_kc / w_vc would stay those of the old weights "
+                "after this sync; serve with SGLang >= 0.5.23 or weightsync serve"
+            )
+
+    def _for_rollout(self, export: WeightExport, fp8_block_size: int) -> WeightExport:
+        """`export` as the rollout serves it: through an `Fp8Export` (kept while the same
+        export is synced, so its buffers and the push program stay) for an FP8 rollout."""
+        if not fp8_block_size:
+            return export
+        fp8 = self._fp8
+        if fp8 is None or fp8.export is not export or fp8.block != fp8_block_size:
+            fp8 = self._fp8 = Fp8Export(export, block=fp8_block_size)
+        return fp8
+
     def _follow(self, export: WeightExport) -> SyncReport:
         order = self._collective.broadcast(None, (PushOrder, NoPush))
         if isinstance(order, PushOrder):
@@ -266,13 +302,24 @@ class TrainerSync:
         holdings: tuple[SourceHolding, ...],
     ) -> list[SourcePlan] | None:
         """The driver: every rank's share of the plan, or None when the cached one holds."""
-        key = (epoch, holdings)
+        block = rollout_fp8(targets)
+        key = (epoch, holdings, block)
         if self._plan_key == key:
             return None
+        if block or family_for(model_dims(self._hf_config).model_type).mla:
+            self._require_post_load(targets)
+        hf_config = self._hf_config
+        sources: Sequence[SourceHolding] = holdings
+        if block:
+            # The rollout's checkpoint is the trainer's architecture quantised to its blocks.
+            hf_config = {**config_data(hf_config), "quantization_config": fp8_config(block)}
+            sources = [
+                SourceHolding(rank=h.rank, tensors=fp8_holding(h.tensors, block)) for h in holdings
+            ]
         plan = build_plan(
-            hf_config=self._hf_config,
+            hf_config=hf_config,
             targets=targets,
-            sources=holdings,
+            sources=sources,
             dtype=self._dtype,
             skip_tensors=self._skip_tensors,
         )
@@ -292,6 +339,7 @@ class TrainerSync:
                 self._plan = self._collective.scatter(plans, SourcePlan)
             if self._plan is None:
                 raise ValueError(f"trainer rank {self.rank} has no plan to push")
+            export = self._for_rollout(export, order.fp8_block_size)
             refused: Exception | None = None
             try:
                 self._sender.preflight(self._plan, export)
@@ -332,6 +380,21 @@ class TrainerSync:
             return_code=first.return_code,
             param_name=first.param_name,
         ) from first
+
+
+def rollout_fp8(targets: Sequence[TargetRank]) -> int:
+    """The FP8 block the targets serve (0: unquantised), from their published metadata.
+
+    Raises:
+        ValueError: replicas serve different quantisations (one plan writes one).
+    """
+    blocks = {target.fp8_block_size for target in targets}
+    if len(blocks) > 1:
+        raise ValueError(
+            f"the replicas serve different quantisations (FP8 blocks {sorted(blocks)}; 0 is "
+            "unquantised): sync them separately"
+        )
+    return blocks.pop() if blocks else 0
 
 
 def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -> PushSummary:

@@ -31,6 +31,13 @@ from weightsync.plan.assign import UnitKey, WorkUnit, assign_units
 from weightsync.plan.boxes import Box
 from weightsync.plan.items import CopyItem, LayoutGroup, SourcePlan, StageWork
 from weightsync.plan.merge import merge_items
+from weightsync.plan.parts import (
+    check_fp8_sources,
+    combine_parts,
+    layout_dtypes,
+    only_dtype,
+    targets_of_dtype,
+)
 from weightsync.plan.sync_plan import SyncPlan
 from weightsync.plan.types import SourceHolding, TargetRank
 from weightsync.plan.validate import (
@@ -54,6 +61,7 @@ def build_plan(
     sources: Sequence[SourceHolding],
     dtype: Any = None,
     skip_tensors: Collection[str] = (),
+    param_dtype: str | None = None,
 ) -> SyncPlan:
     """Plan which trainer source writes which bytes of which rollout rank, and check it.
 
@@ -65,6 +73,10 @@ def build_plan(
             report (`TargetRank.dtype`) when they all report one, else the config's.
         skip_tensors: names (shell patterns, ``fnmatch``) of tensors a source may hold that
             are not the checkpoint's; any other such tensor is refused.
+        param_dtype: plan only the rollout parameters of this dtype (the targets publish
+            only those). A layout of several dtypes (DeepSeek's float32 router bias beside
+            bf16, FP8 weights beside their float32 scales) gets one such plan per dtype, its
+            `SyncPlan.parts` (`weightsync.plan.parts`).
 
     Returns:
         The validated plan; ``plan.for_source(rank)`` is what source `rank` executes.
@@ -84,6 +96,24 @@ def build_plan(
     if dtype is None:
         dtype = _reported_dtype(targets)
     groups = _group_targets(hf_config, targets, dtype)
+    if param_dtype is not None:
+        groups = only_dtype(groups, param_dtype)
+        raise_if_problems(check_fp8_sources(groups, sources))
+    elif len(layout_dtypes(groups)) > 1:
+        # One plan per dtype; the whole table is checked here, each part checks its own.
+        raise_if_problems(check_targets(groups))
+        parts = tuple(
+            build_plan(
+                hf_config=hf_config,
+                targets=targets_of_dtype(groups, targets, part_dtype),
+                sources=sources,
+                dtype=dtype,
+                skip_tensors=skip_tensors,
+                param_dtype=part_dtype,
+            )
+            for part_dtype in layout_dtypes(groups)
+        )
+        return combine_parts(parts, targets=tuple(targets), groups=groups)
     hf_shapes = hf_tensor_shapes(hf_config)
     tensor_units, users = _work_units(groups, hf_shapes)
     held = _held_boxes(sources)

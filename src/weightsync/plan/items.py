@@ -124,6 +124,8 @@ class SourcePlan:
         boxes: ``{hf_name: box}`` for the tensors of `work` the source holds a box of (a
             sharded trainer's slice); their items read relative to the box's start. Tensors
             held whole are absent.
+        parts: for a layout of several dtypes (`weightsync.plan.parts`), the plan of each
+            dtype, pushed in order; `work` is then empty and the counts are the parts'.
     """
 
     rank: int
@@ -132,15 +134,20 @@ class SourcePlan:
     targets: Mapping[int, tuple[TargetRank, ...]] = field(hash=False)
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict, hash=False)
     boxes: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict, hash=False)
+    parts: tuple[SourcePlan, ...] = field(default=(), hash=False)
 
     @property
     def num_bytes_staged(self) -> int:
         """Bytes the source stages (each layout's bytes once)."""
+        if self.parts:
+            return sum(part.num_bytes_staged for part in self.parts)
         return sum(w.num_bytes for works in self.work.values() for w in works)
 
     @property
     def num_bytes_written(self) -> int:
         """Bytes the source writes (each layout's bytes once per target of it)."""
+        if self.parts:
+            return sum(part.num_bytes_written for part in self.parts)
         return sum(
             w.num_bytes * len(self.targets[w.layout_id])
             for works in self.work.values()
@@ -150,4 +157,13 @@ class SourcePlan:
     @property
     def num_items(self) -> int:
         """Number of copy items (before the sender coalesces them)."""
+        if self.parts:
+            return sum(part.num_items for part in self.parts)
         return sum(len(w.items) for works in self.work.values() for w in works)
+
+    @property
+    def num_tensors(self) -> int:
+        """Number of HF tensors the source stages from."""
+        if self.parts:
+            return len({name for part in self.parts for name in part.work})
+        return len(self.work)

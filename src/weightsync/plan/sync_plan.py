@@ -27,6 +27,8 @@ class SyncPlan:
             (a source with nothing to do has an empty plan).
         num_write_regions: writes over all sources and targets after coalescing items that are
             adjacent in the destination (an estimate: the sender's buckets may split a run).
+        parts: for a layout of several parameter dtypes, the plan of each dtype
+            (`weightsync.plan.parts`); `dtype` is then the dtype of the part writing most.
     """
 
     dtype: str
@@ -35,6 +37,7 @@ class SyncPlan:
     assignments: Mapping[tuple[str, int, tuple[tuple[int, int], ...]], int] = field(hash=False)
     source_plans: Mapping[int, SourcePlan] = field(hash=False)
     num_write_regions: int
+    parts: tuple[SyncPlan, ...] = field(default=(), hash=False)
 
     def for_source(self, rank: int) -> SourcePlan:
         """The part of the plan that trainer source `rank` executes.
@@ -105,7 +108,7 @@ class SyncPlan:
                     "rank": rank,
                     "bytes": sp.num_bytes_written,
                     "bytes_staged": sp.num_bytes_staged,
-                    "num_tensors": len(sp.work),
+                    "num_tensors": sp.num_tensors,
                     "num_items": sp.num_items,
                     "targets": [{"replica": t.replica, "rank": t.rank} for t in written_to],
                 }

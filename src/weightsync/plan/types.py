@@ -31,6 +31,8 @@ class TargetRank:
         regions: the ``(addr, num_bytes)`` memory regions the rank registered with its
             transport, when it publishes them (the reference server does): every parameter
             must lie inside one, which the plan checks before any byte moves.
+        fp8_block_size: the block of the block-FP8 weights the replica serves (its
+            ``/server_info``), 0 for unquantised ones: trainers quantise to it.
 
     Raises:
         ValueError: an empty replica or session id, a negative rank, or a ``weights_info``
@@ -44,6 +46,7 @@ class TargetRank:
     weights_info: Mapping[str, tuple[int, int, int]] = field(hash=False)
     dtype: str | None = None
     regions: tuple[tuple[int, int], ...] | None = field(default=None, hash=False)
+    fp8_block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype is not None:

@@ -3,9 +3,16 @@
 The bit-exact check of PROTOCOL.md runs it on every rank: ``snapshot`` copies every parameter
 (host parameters into host memory; GPU parameters on their GPU while it has room, else into
 host memory), ``reset_tensors`` overwrites every parameter in place with random values, and
-after a sync ``compare`` must find every parameter bitwise equal to the snapshot (or, with
-``allow_quant_error``, within one unit in the last place of its dtype). ``compare`` frees the
-snapshot. ``checksum`` summarises every parameter (SHA-256 of its bytes and its sum).
+after a sync ``compare`` must find every parameter bitwise equal to the snapshot. ``compare``
+frees the snapshot.
+
+Block-FP8 weights are compared as SGLang's weights checker does
+(``weight_checker_comparator.py``): each e4m3 ``...weight`` with a ``...weight_scale_inv``
+beside it is one pair, compared after dequantisation to bf16 (``codes * scale`` of each
+block; the block is ``K // scale_cols``); the scale is not compared on its own. With
+``allow_quant_error`` a pair may differ by up to one e4m3 step (times its block's scale) of
+each side; every other parameter must be bitwise equal, flag or not. ``checksum``
+summarises every parameter (SHA-256 of its bytes and its sum).
 
 GPU parameters are snapshotted, reset and compared on their GPU: a replica holds tens of
 gigabytes, which host copies and CPU compares would take minutes over. Every action ends
@@ -92,7 +99,8 @@ class WeightsChecker:
 
         Args:
             action: ``snapshot``, ``reset_tensors``, ``compare`` or ``checksum``.
-            allow_quant_error: ``compare`` tolerates one ULP of the parameter's dtype.
+            allow_quant_error: ``compare`` tolerates, in block-FP8 weights only, one e4m3
+                step of either side after dequantisation (SGLang's semantics).
             skip_tensor_list: parameters to leave out; an entry skips every parameter whose
                 name contains it (an exact name skips that parameter only).
             seed: seed of ``reset_tensors``'s random values (default: fresh randomness).
@@ -167,8 +175,10 @@ class WeightsChecker:
         """Compare the parameters `names` (default: all snapshotted) with the snapshot, then
         free the snapshot.
 
-        A parameter passes when its bytes equal the snapshot's, or, with `allow_quant_error`,
-        when every element is within one ULP of its dtype (one step for integer dtypes).
+        A parameter passes when its bytes equal the snapshot's. A block-FP8 weight and its
+        ``weight_scale_inv`` pass together when their dequantised bf16 values equal the
+        snapshot's, or, with `allow_quant_error`, differ by at most one e4m3 step of the
+        snapshot's plus one of the parameter's (each times its block's scale).
         """
         if self._snapshot is None:
             return CheckResult(
@@ -178,14 +188,29 @@ class WeightsChecker:
         snapshot, self._snapshot = self._snapshot, None
         names = list(snapshot) if names is None else list(names)
         missing = [n for n in names if n not in snapshot]
+        pairs = _fp8_pairs([n for n in names if n in snapshot], self._params)
+        scales = set(pairs.values())
         diffs = []
         for name in names:
-            if name in snapshot:
-                diff = _diff(name, snapshot[name], self._params[name], allow_quant_error)
-                if diff is not None:
-                    diffs.append(diff)
+            if name not in snapshot or name in scales:
+                continue
+            if name in pairs:
+                scale = pairs[name]
+                diff = _fp8_diff(
+                    name,
+                    (snapshot[name], snapshot[scale]),
+                    (self._params[name], self._params[scale]),
+                    allow_quant_error,
+                )
+            else:
+                diff = _diff(name, snapshot[name], self._params[name])
+            if diff is not None:
+                diffs.append(diff)
         del snapshot
-        tolerance = "within one ULP" if allow_quant_error else "bitwise"
+        tolerance = "bitwise"
+        if pairs:
+            within = " within one e4m3 step" if allow_quant_error else ""
+            tolerance = f"bitwise, block-FP8 weights dequantised{within}"
         if not diffs and not missing:
             return CheckResult(
                 success=True, message=f"{len(names)} parameters equal the snapshot ({tolerance})"
@@ -256,9 +281,70 @@ def _random_like(param: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     ).to(param.dtype)
 
 
-def _diff(
-    name: str, expected: torch.Tensor, param: torch.Tensor, allow_quant_error: bool
+def _fp8_pairs(names: list[str], params: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{weight: its scale}`` of the block-FP8 weights among `names` (SGLang's
+    ``_build_quantized_set``: a weight whose ``weight`` -> ``weight_scale_inv`` exists)."""
+    present = set(names)
+    pairs = {}
+    for name in names:
+        if not name.endswith("weight") or params[name].dtype != torch.float8_e4m3fn:
+            continue
+        scale = name[: -len("weight")] + "weight_scale_inv"
+        if scale in present and params[scale].dtype == torch.float32:
+            codes, scales = params[name], params[scale]
+            if codes.dim() >= 2 and codes.shape[-1] % scales.shape[-1] == 0:
+                pairs[name] = scale
+    return pairs
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """SGLang's ``block_quant_dequant`` in float32 (square blocks of ``K // scale_cols``)."""
+    rows, cols = codes.shape[-2:]
+    block = cols // scales.shape[-1]
+    expanded = scales.float().repeat_interleave(block, -2).repeat_interleave(block, -1)
+    return codes.float() * expanded[..., :rows, :cols]
+
+
+def _e4m3_step(codes: torch.Tensor) -> torch.Tensor:
+    """One e4m3 step at each code: ``2**floor(log2|q|) * 0.125``, the smallest normal's
+    step for zeros and subnormals (SGLang's ``_ulp``)."""
+    magnitude = codes.float().abs().clamp_min(torch.finfo(torch.float8_e4m3fn).smallest_normal)
+    return torch.exp2(torch.floor(torch.log2(magnitude))) * 0.125
+
+
+def _fp8_diff(
+    name: str,
+    expected: tuple[torch.Tensor, torch.Tensor],
+    actual: tuple[torch.Tensor, torch.Tensor],
+    allow_quant_error: bool,
 ) -> ParamDiff | None:
+    codes, scales = (t.detach() for t in actual)
+    want_codes, want_scales = (t.to(codes.device) for t in expected)
+    if codes.shape != want_codes.shape or scales.shape != want_scales.shape:
+        return _diff(name, want_codes, codes)
+    got = _dequantize(codes, scales).to(torch.bfloat16).float()
+    want = _dequantize(want_codes, want_scales).to(torch.bfloat16).float()
+    error = (got - want).abs()
+    different = error != 0
+    if not bool(different.any()):
+        return None
+    if allow_quant_error:
+        tolerance = _dequantize(_e4m3_step(want_codes), want_scales) + _dequantize(
+            _e4m3_step(codes), scales
+        )
+        different &= ~(error <= tolerance)
+        if not bool(different.any()):
+            return None
+    return ParamDiff(
+        name=f"{name} (FP8 with its weight_scale_inv, dequantised)",
+        num_different=int(different.sum()),
+        numel=codes.numel(),
+        max_abs_error=float(error.max()),
+        mean_abs_error=float(error.mean()),
+    )
+
+
+def _diff(name: str, expected: torch.Tensor, param: torch.Tensor) -> ParamDiff | None:
     # Compared where the parameter lives (a GPU compare of tens of GB takes milliseconds).
     actual = param.detach()
     expected = expected.to(actual.device)
@@ -280,11 +366,6 @@ def _diff(
     a_val = actual.reshape(-1).double()
     e_val = expected.reshape(-1).double()
     error = (a_val - e_val).abs()
-    if allow_quant_error:
-        within = error <= _ulp(expected).reshape(-1)
-        different &= ~within
-        if not bool(different.any()):
-            return None
     num_different = int(different.sum())
     return ParamDiff(
         name=name,
@@ -293,14 +374,3 @@ def _diff(
         max_abs_error=float(error.max()),
         mean_abs_error=float(error.mean()),
     )
-
-
-def _ulp(values: torch.Tensor) -> torch.Tensor:
-    """One unit in the last place of each value, in its own dtype, as float64."""
-    if not values.dtype.is_floating_point:
-        return torch.ones(values.shape, dtype=torch.float64)
-    finfo = torch.finfo(values.dtype)
-    magnitude = values.double().abs().clamp_min(finfo.smallest_normal)
-    _, exponent = torch.frexp(magnitude)
-    # |x| = m * 2**e with m in [0.5, 1): the spacing of the dtype's grid there is 2**(e-1)*eps.
-    return torch.ldexp(torch.full_like(magnitude, finfo.eps), exponent - 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -127,22 +128,32 @@ class WeightSender:
         dist.all_gather_object(gathered, mine, group=self.group)
         return sorted(gathered, key=lambda h: h.rank)
 
-    def program_for(self, plan: SourcePlan, export: WeightExport) -> tuple[PushProgram, bool]:
+    def program_for(
+        self, plan: SourcePlan, export: WeightExport, *, whole: SourcePlan | None = None
+    ) -> tuple[PushProgram, bool]:
         """The program that pushes `export` for `plan`, and whether it was cached.
+
+        Args:
+            plan: a source plan of one dtype.
+            export: the rank's export.
+            whole: the plan `plan` is a part of (`SourcePlan.parts`), if any: the cache
+                keeps the programs of all its parts.
 
         Raises:
             ValueError: as `weightsync.plan.lower_push` says (a missing tensor, a shape that
                 differs from the plan's, a box out of range); nothing is written.
         """
-        if plan is not self._plan:
-            self._plan, self._programs, self._digest_sums = plan, [], {}
+        owner = whole if whole is not None else plan
+        if owner is not self._plan:
+            self._plan, self._programs, self._digest_sums = owner, [], {}
         geometry = export.geometry()
         staging = self._staging(plan, geometry)
         for program in self._programs:
             if program.matches(plan, geometry, staging):
                 return program, True
         program = lower_push(plan, geometry, staging)
-        self._programs = [program, *self._programs[: _MAX_PROGRAMS - 1]]
+        keep = _MAX_PROGRAMS * max(1, len(owner.parts))
+        self._programs = [program, *self._programs[: keep - 1]]
         kept = {id(p) for p in self._programs}
         self._digest_sums = {k: v for k, v in self._digest_sums.items() if k in kept}
         return program, False
@@ -161,11 +172,15 @@ class WeightSender:
         """
         if self._closed:
             raise ValueError("preflight() on a closed WeightSender")
-        program, cached = self.program_for(plan, export)
+        _begin_push(export)
         check = self.config.check_finite
-        if check == "always" or (check == "first" and not self._pushed):
-            refuse_non_finite(program, export)
-        self._preflighted = (id(plan), id(export), cached)
+        all_cached = True
+        for part in plan.parts or (plan,):
+            program, cached = self.program_for(part, export, whole=plan)
+            all_cached = all_cached and cached
+            if check == "always" or (check == "first" and not self._pushed):
+                refuse_non_finite(program, export)
+        self._preflighted = (id(plan), id(export), all_cached)
 
     def push(self, plan: SourcePlan, export: WeightExport) -> PushStats:
         """Write this rank's share of a sync into the plan's targets.
@@ -192,13 +207,37 @@ class WeightSender:
         """
         if self._closed:
             raise ValueError("push() on a closed WeightSender")
-        start = time.perf_counter()
-        program, cached = self.program_for(plan, export)
-        lowered = time.perf_counter()
         preflight, self._preflighted = self._preflighted, None
         checked = preflight is not None and preflight[:2] == (id(plan), id(export))
-        if checked:
-            cached = preflight[2]
+        if not checked:
+            _begin_push(export)
+        if not plan.parts:
+            stats = self._push_one(plan, export, whole=plan, checked=checked)
+        else:
+            # Every part's program and values are checked before the first part writes.
+            if not checked:
+                self.preflight(plan, export)
+                preflight, self._preflighted = self._preflighted, None
+                checked = True
+            done: list[PushStats] = []
+            for part in plan.parts:
+                try:
+                    done.append(self._push_one(part, export, whole=plan, checked=True))
+                except PartialPushError as exc:
+                    raise _partial_of_parts(exc, [*done, exc.result]) from exc
+            stats = _merge_stats(done)
+        if checked and preflight is not None:
+            stats = dataclasses.replace(stats, cached_program=preflight[2])
+        self._pushed = True
+        return stats
+
+    def _push_one(
+        self, plan: SourcePlan, export: WeightExport, *, whole: SourcePlan, checked: bool
+    ) -> PushStats:
+        """`push` of a plan of one dtype (`plan` is `whole` or one of its parts)."""
+        start = time.perf_counter()
+        program, cached = self.program_for(plan, export, whole=whole)
+        lowered = time.perf_counter()
         check = self.config.check_finite
         if not checked and (check == "always" or (check == "first" and not self._pushed)):
             refuse_non_finite(program, export)
@@ -237,7 +276,6 @@ class WeightSender:
         if failed:
             self._queue.drain()
             raise _partial(failed, stats, num_targets=len(counters.bytes_per_target))
-        self._pushed = True
         return stats
 
     def release(self) -> None:
@@ -333,6 +371,55 @@ def _partial(
     )
 
 
+def _begin_push(export: WeightExport) -> None:
+    """Tell an export that caches per push (`weightsync.export.Fp8Export`) a push starts."""
+    begin = getattr(export, "begin_push", None)
+    if callable(begin):
+        begin()
+
+
+def _merge_stats(parts: list[PushStats]) -> PushStats:
+    """The stats of a push of several parts (one per dtype) as one push's."""
+    per_target: dict[str, int] = {}
+    digests: dict[str, dict[str, int]] = {}
+    for stats in parts:
+        for session, num_bytes in stats.bytes_per_target.items():
+            per_target[session] = per_target.get(session, 0) + num_bytes
+        for session, values in stats.digests.items():
+            digests.setdefault(session, {}).update(values)
+    return PushStats(
+        rank=parts[0].rank,
+        bytes_staged=sum(s.bytes_staged for s in parts),
+        bytes_written=sum(s.bytes_written for s in parts),
+        num_writes=sum(s.num_writes for s in parts),
+        num_regions=sum(s.num_regions for s in parts),
+        num_buckets=sum(s.num_buckets for s in parts),
+        num_chunks=sum(s.num_chunks for s in parts),
+        num_copies=sum(s.num_copies for s in parts),
+        seconds=sum(s.seconds for s in parts),
+        lower_seconds=sum(s.lower_seconds for s in parts),
+        fill_seconds=sum(s.fill_seconds for s in parts),
+        write_seconds=sum(s.write_seconds for s in parts),
+        bytes_per_target=per_target,
+        cached_program=all(s.cached_program for s in parts),
+        digests=digests,
+        digest_seconds=sum(s.digest_seconds for s in parts),
+    )
+
+
+def _partial_of_parts(exc: PartialPushError, done: list[PushStats]) -> PartialPushError:
+    """`exc` of one part, its result what every part so far wrote."""
+    return PartialPushError(
+        str(exc),
+        failed=exc.failed,
+        result=_merge_stats(done),
+        target_session=exc.target_session,
+        byte_ranges=exc.byte_ranges,
+        return_code=exc.return_code,
+        param_name=exc.param_name,
+    )
+
+
 def _per_target(
     program: PushProgram, sums: dict[tuple[int, str], int]
 ) -> dict[str, dict[str, int]]:
@@ -368,6 +455,10 @@ def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
     with torch.no_grad():
         for name, tensor in export:
             if name not in needed or not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            if tensor.element_size() == 1:
+                # FP8 codes: a quantiser's output, finite by construction; a NaN or infinity
+                # in its input makes the block's float32 scale non-finite, checked here too.
                 continue
             batch.append((name, tensor))
             if len(batch) == _FINITE_BATCH:

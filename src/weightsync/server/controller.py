@@ -37,6 +37,7 @@ from weightsync.control.models import GenerateRequest, GenerateResponse, Weights
 from weightsync.control.protocol import (
     GET_WEIGHT_VERSION,
     PARALLELISM_CONFIG,
+    POST_LOAD_AT_UPDATE_END,
     WEIGHT_SYNC_FUSED,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
@@ -63,7 +64,13 @@ from weightsync.server.scheduler import GenerationQueue
 logger = logging.getLogger(__name__)
 
 # What the reference server serves beyond SGLang 0.5.23, advertised in /server_info.
-CAPABILITIES = (PARALLELISM_CONFIG, GET_WEIGHT_VERSION, WEIGHT_UPDATE_LEASE, WEIGHT_UPDATE_DIGEST)
+CAPABILITIES = (
+    PARALLELISM_CONFIG,
+    GET_WEIGHT_VERSION,
+    WEIGHT_UPDATE_LEASE,
+    WEIGHT_UPDATE_DIGEST,
+    POST_LOAD_AT_UPDATE_END,
+)
 # Advertised too unless the server was started with the fused lifecycle off.
 FUSED_CAPABILITIES = (WEIGHT_SYNC_FUSED,)
 _STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}

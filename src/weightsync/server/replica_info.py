@@ -7,6 +7,7 @@ from typing import Any
 
 from weightsync import __version__
 from weightsync.checkpoint import load_config_dict
+from weightsync.layout.config import model_dims
 from weightsync.server.config import ServeConfig
 from weightsync.server.http import ControlError
 from weightsync.server.ranks.commands import RankInfo
@@ -27,6 +28,7 @@ class ReplicaInfo:
     ) -> None:
         self._config = config
         self.hf_config = load_config_dict(config.model_path)
+        self._fp8_block = model_dims(self.hf_config).fp8_block_size
         self._ranks = list(ranks)
         self._port = port
         self._bootstrap_port = bootstrap_port
@@ -45,6 +47,10 @@ class ReplicaInfo:
             "pp_size": 1,
             "ep_size": config.ep_size,
             "dtype": self._ranks[0].dtype,
+            # SGLang's key, and the block of a block-FP8 checkpoint: a trainer quantises
+            # its weights to what the replica serves.
+            "quantization": "fp8" if self._fp8_block else None,
+            "weight_block_size": [self._fp8_block] * 2 if self._fp8_block else None,
             "device": config.device,
             "host": config.host,
             "port": self._port,

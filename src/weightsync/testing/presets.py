@@ -196,7 +196,7 @@ PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 # architecture: Kimi-K2 is DeepSeek-V3 (`architectures: ["DeepseekV3ForCausalLM"]`).
 _CONFIG_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 # The presets small enough for `weightsync demo` to build, train and serve on a CPU.
-DEMO_PRESETS: tuple[str, ...] = ("tiny", "small", "tiny-moe")
+DEMO_PRESETS: tuple[str, ...] = ("tiny", "small", "tiny-moe", "tiny-deepseek")
 
 
 def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
@@ -253,4 +253,37 @@ def write_random_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     model = random_model(config, dtype=dtype, seed=seed)
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_fp8_checkpoint(path: str | Path, checkpoint: str | Path, *, block: int = 128) -> Path:
+    """Write the block-FP8 checkpoint of the HF checkpoint `checkpoint` to `path`: its linear
+    weights quantised as `weightsync.export.Fp8Export` quantises them (e4m3 codes and float32
+    ``weight_scale_inv``), its config with the ``quantization_config``; returns `path`.
+
+    A rollout serving it holds what a sync from a trainer that loaded `checkpoint` writes.
+    """
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.checkpoint import load_config_dict
+    from weightsync.export import ModelExport
+    from weightsync.export.quantize import quantize_block_fp8
+    from weightsync.layout.quant import fp8_quantization_config, is_quantized_hf_name, scale_name
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in ModelExport(model):
+            if is_quantized_hf_name(name) and tensor.dim() == 2:
+                tensors[name], tensors[scale_name(name)] = quantize_block_fp8(tensor, block=block)
+            else:
+                tensors[name] = tensor.detach().contiguous().clone()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {**load_config_dict(checkpoint), "quantization_config": fp8_quantization_config(block)}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     return path

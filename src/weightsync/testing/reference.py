@@ -11,20 +11,38 @@ from typing import Any
 import torch
 
 from weightsync.control import RolloutClient
+from weightsync.export import ModelExport
+from weightsync.export.quantize import dequantize_block_fp8, quantize_block_fp8
+from weightsync.layout.quant import is_quantized_hf_name
 
 
 @torch.inference_mode()
 def greedy_tokens(
-    model: Any, dtype: torch.dtype, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int
+    model: Any,
+    dtype: torch.dtype,
+    prompts: tuple[tuple[int, ...], ...],
+    max_new_tokens: int,
+    *,
+    fp8_block: int = 0,
 ) -> list[list[int]]:
     """Greedy tokens of the trainer's model with its weights rounded to the rollout dtype.
 
     The rollout holds the weights in `dtype` and computes in float32, so rounding the trainer
-    weights the same way gives the tokens a correct rollout must produce.
+    weights the same way gives the tokens a correct rollout must produce. For a block-FP8
+    rollout (`fp8_block`), its linear weights are the dequantised block-FP8 values instead
+    (quantised as `weightsync.export.Fp8Export` does), the rest rounded to `dtype`.
     """
     ref = copy.deepcopy(model).eval()
+    quantised: set[int] = set()
+    if fp8_block:
+        for name, view in ModelExport(ref):
+            if is_quantized_hf_name(name) and view.dim() == 2:
+                codes, scales = quantize_block_fp8(view, block=fp8_block)
+                view.detach().copy_(dequantize_block_fp8(codes, scales, block=fp8_block))
+                quantised.add(view.untyped_storage().data_ptr())
     for param in ref.parameters():
-        param.data = param.data.to(dtype).to(torch.float32)
+        if param.untyped_storage().data_ptr() not in quantised:
+            param.data = param.data.to(dtype).to(torch.float32)
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
