@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -61,6 +62,38 @@ def test_demo_moe_with_expert_parallelism():
     )  # fmt: skip
     assert code == 0, stderr[-3000:]
     assert result["ok"] and result["bit_exact"] and result["generation_match"]
+
+
+@pytest.mark.megatron
+def test_demo_megatron_trainer_syncs_from_its_slices():
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed (scripts/setup installs it)")
+    code, result, stderr = _demo(
+        "--trainer", "megatron", "--trainer-ranks", "2", "--trainer-tp", "2", "--steps", "1",
+        "--replicas", "1", "--rollout-tp", "1", "--dtype", "fp32",
+    )  # fmt: skip
+    assert code == 0, stderr[-3000:]
+    assert result["trainer"] == "megatron"
+    assert result["ok"] and result["bit_exact"] and result["generation_match"]
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("--trainer", "fsdp", "--trainer-pp", "2"), "--trainer-pp"),
+        (("--trainer", "hf", "--trainer-tp", "2"), "--trainer-tp"),
+        (("--trainer", "deepspeed"), "--trainer"),
+    ],
+)
+def test_demo_refuses_bad_trainer_options(args, option):
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert option in proc.stderr
 
 
 def test_demo_refuses_bad_options():

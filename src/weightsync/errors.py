@@ -29,8 +29,9 @@ class CollectiveError(WeightSyncError):
 
 class WeightsRefusedError(WeightSyncError, ValueError):
     """The trainer's weights were refused before any byte was written: values that are not
-    finite in the rollout's dtype (NaN, or beyond its range once cast). The message names the
-    tensor and the trainer rank."""
+    finite in the rollout's dtype (NaN, or beyond its range once cast), or copies of one box
+    that differ between the trainer ranks holding it (`SyncConfig.check_replicas`). The
+    message names the tensor and the trainer rank."""
 
 
 class TransferError(WeightSyncError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -21,7 +22,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from weightsync.cli.demo_trainer import TrainerArgs, quiet_transformers, run_trainer_rank
+from weightsync.cli.demo_trainer import (
+    TRAINER_KINDS,
+    TrainerArgs,
+    quiet_transformers,
+    run_trainer_rank,
+)
 from weightsync.cli.logs import configure_logging
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.layout.families import family_for
@@ -45,6 +51,15 @@ def demo(
     rollout_ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     trainer_ranks: Annotated[int, typer.Option(help="Trainer processes (sources).")] = 2,
     trainer_pp: Annotated[int, typer.Option(help="Pipeline stages the trainer exports.")] = 1,
+    trainer: Annotated[
+        str, typer.Option(help=f"Trainer: {', '.join(TRAINER_KINDS)} (see the README).")
+    ] = "hf",
+    trainer_tp: Annotated[
+        int, typer.Option(help="Tensor-parallel size of the Megatron trainer.")
+    ] = 1,
+    trainer_ep: Annotated[
+        int, typer.Option(help="Expert-parallel size of the Megatron trainer (MoE).")
+    ] = 1,
     model: Annotated[str, typer.Option(help=f"Model preset: {', '.join(DEMO_PRESETS)}.")] = "tiny",
     steps: Annotated[int, typer.Option(help="Optimizer steps (one sync after each).")] = 3,
     dtype: Annotated[str, typer.Option(help="Rollout dtype: bf16, fp16 or fp32.")] = "bf16",
@@ -74,11 +89,15 @@ def demo(
     Writes a random-init HF checkpoint, starts the replicas with `weightsync serve` on
     loopback, snapshots and corrupts their weights, runs a torch.distributed (gloo) trainer
     that takes real optimizer steps, and syncs after each step (plus once before the first).
+    The trainer is transformers data parallel (``hf``), FSDP2 (``fsdp``: every rank writes
+    its shards) or Megatron-core (``megatron``: every rank writes the TP / PP / EP slices it
+    holds; needs megatron-core, which scripts/setup installs).
     Exits non-zero if the first sync is not bit-exact or a replica's greedy generation ever
     differs from the trainer model's. Killed, even with SIGKILL, it leaves no process behind:
     the replicas and trainer ranks it starts stop when it dies.
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
+    _check_trainer(trainer, trainer_ranks, trainer_pp, trainer_tp, trainer_ep, model, rollout_fp8)
     if rollout_fp8 and not family_for(preset_config(model)["model_type"]).deepseek_moe:
         raise typer.BadParameter(
             f"block FP8 is laid out for the DeepSeek-V3 family (e.g. tiny-deepseek), not {model}",
@@ -97,6 +116,7 @@ def demo(
         "replicas": replicas,
         "rollout_tp": rollout_tp,
         "trainer_ranks": trainer_ranks,
+        "trainer": trainer,
         "syncs": [],
         "bit_exact": False,
         "generation_match": False,
@@ -106,7 +126,11 @@ def demo(
     try:
         with _progress(console, quiet=False) as progress:
             task = progress.add_task("writing checkpoint", total=steps + 3)
-            checkpoint = write_random_checkpoint(root / "checkpoint", preset_config(model), seed=0)
+            config = preset_config(model)
+            if trainer == "megatron" and config["model_type"].endswith("moe"):
+                # The Megatron trainer builds every layer as an MoE layer.
+                config["mlp_only_layers"] = []
+            checkpoint = write_random_checkpoint(root / "checkpoint", config, seed=0)
             served = checkpoint
             if rollout_fp8:
                 served = write_fp8_checkpoint(root / "checkpoint-fp8", checkpoint, block=_FP8_BLOCK)
@@ -135,6 +159,9 @@ def demo(
                 prompts=_PROMPTS,
                 max_new_tokens=8,
                 transfer_timeout_s=30.0,
+                trainer=trainer,
+                tp_size=trainer_tp,
+                ep_size=trainer_ep,
                 fp8_block=_FP8_BLOCK if rollout_fp8 else 0,
                 verbose=verbose,
             )
@@ -320,6 +347,43 @@ def _check_args(
         bad("--dtype", f"choose one of {', '.join(ROLLOUT_DTYPE_CHOICES)}")
     if rollout_ep > 1 and not family_for(preset_config(model)["model_type"]).moe:
         bad("--rollout-ep", f"expert parallelism needs an MoE model (e.g. tiny-moe), not {model}")
+
+
+def _check_trainer(
+    trainer: str,
+    trainer_ranks: int,
+    trainer_pp: int,
+    tp: int,
+    ep: int,
+    model: str,
+    rollout_fp8: bool,
+) -> None:
+    def bad(option: str, message: str) -> None:
+        raise typer.BadParameter(message, param_hint=option)
+
+    if trainer not in TRAINER_KINDS:
+        bad("--trainer", f"choose one of {', '.join(TRAINER_KINDS)}")
+    if tp < 1 or ep < 1:
+        bad("--trainer-tp" if tp < 1 else "--trainer-ep", "must be at least 1")
+    if trainer != "megatron" and (tp > 1 or ep > 1):
+        bad("--trainer-tp" if tp > 1 else "--trainer-ep", "only the megatron trainer has it")
+    if trainer != "hf" and rollout_fp8:
+        bad("--rollout-fp8", "an FP8 rollout is synced from the hf trainer")
+    if trainer == "fsdp" and trainer_pp > 1:
+        bad("--trainer-pp", "the fsdp trainer shards every layer over all ranks; use 1")
+    if trainer == "megatron":
+        if importlib.util.find_spec("megatron") is None:
+            bad("--trainer", "megatron needs megatron-core (scripts/setup installs it)")
+        if trainer_ranks % (tp * trainer_pp):
+            bad("--trainer-ranks", f"must be a multiple of tp x pp ({tp} x {trainer_pp})")
+        model_type = preset_config(model)["model_type"]
+        if model_type not in ("qwen3", "qwen3_moe"):
+            bad("--model", f"the megatron trainer builds Qwen3 and Qwen3-MoE models, not {model}")
+        moe = model_type == "qwen3_moe"
+        if moe and tp > 1:
+            bad("--trainer-tp", "the megatron trainer trains MoE models at tp 1 (use --trainer-ep)")
+        if ep > 1 and (not moe or trainer_ranks % ep):
+            bad("--trainer-ep", "expert parallelism needs an MoE model and ep dividing the ranks")
 
 
 def _interrupt_on_signals() -> dict[int, Any]:

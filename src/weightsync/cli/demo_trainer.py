@@ -1,16 +1,28 @@
 """The trainer side of `weightsync demo`: one process per trainer rank.
 
-Every rank holds the whole model and trains it data-parallel (gradients all-reduced over a
-gloo group), so all ranks hold the same weights; each rank exports only its pipeline stage's
-layers (rank ``r`` is stage ``r % pp``), which is what a pipeline-parallel trainer's rank
-holds. Every rank takes part in each sync as a source.
+Three trainers, each a source of the syncs on every rank:
+
+- ``hf``: every rank holds the whole transformers model and trains it data-parallel
+  (gradients all-reduced over a gloo group); each rank exports only its pipeline stage's
+  layers (rank ``r`` is stage ``r % pp``), which is what a pipeline-parallel rank holds;
+- ``fsdp``: the transformers model sharded with FSDP2 over all ranks; each rank exports its
+  shards' rows (`weightsync.export.fsdp.FSDPExport`);
+- ``megatron``: a Megatron-core ``GPTModel`` under TP / PP / EP (data parallel takes the rest
+  of the ranks), loaded from the checkpoint; each rank exports the slices it holds
+  (`weightsync.export.megatron.MegatronExport`).
+
+After each sync rank 0 compares the replicas' greedy tokens with those of a transformers
+model holding the trainer's weights (for the sharded trainers, gathered from every rank's
+boxes: a collective the sync itself never runs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +46,9 @@ class TrainerArgs:
     prompts: tuple[tuple[int, ...], ...]
     max_new_tokens: int
     transfer_timeout_s: float
+    trainer: str = "hf"
+    tp_size: int = 1
+    ep_size: int = 1
     fp8_block: int = 0
     verbose: bool = False
 
@@ -69,7 +84,6 @@ def quiet_transformers() -> None:
 
 def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     import weightsync as ws
     from weightsync.checkpoint import load_config_dict
@@ -82,10 +96,7 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
     group = dist.group.WORLD
     torch.manual_seed(1234)
     hf_config = load_config_dict(args.checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    export = ws.ModelExport(model, pp_rank=rank % args.pp_size, pp_size=args.pp_size)
+    trainer = _TRAINERS[args.trainer](args, rank, group)
     config = ws.SyncConfig(
         sender=ws.SenderConfig(bucket_bytes=args.bucket_bytes, timeout_s=args.transfer_timeout_s),
         control=ws.ControlConfig(api_key=args.api_key, check_weight_update_equal=True),
@@ -101,11 +112,12 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
     rollout_dtype = torch_dtype(args.rollout_dtype)
     try:
         for step in range(args.steps + 1):
-            loss = _train_step(model, optimizer, rank, step, group) if step else None
-            report = sync.sync(export)
+            loss = trainer.step(step) if step else None
+            report = sync.sync(trainer.export)
+            reference = trainer.reference()
             if rank == 0:
                 expected = greedy_tokens(
-                    model,
+                    reference,
                     rollout_dtype,
                     args.prompts,
                     args.max_new_tokens,
@@ -132,7 +144,126 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
                 )
     finally:
         sync.close()
+        trainer.close()
         dist.destroy_process_group()
+
+
+class _HFTrainer:
+    """The whole transformers model on every rank, data parallel; stage ``r % pp`` exported."""
+
+    def __init__(self, args: TrainerArgs, rank: int, group: Any) -> None:
+        from transformers import AutoModelForCausalLM
+
+        import weightsync as ws
+
+        self.rank, self.group = rank, group
+        self.model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-3)
+        self.export = ws.ModelExport(self.model, pp_rank=rank % args.pp_size, pp_size=args.pp_size)
+
+    def step(self, step: int) -> float:
+        return _train_step(self.model, self.optimizer, self.rank, step, self.group)
+
+    def reference(self) -> Any:
+        return self.model
+
+    def close(self) -> None:
+        pass
+
+
+class _FSDPTrainer:
+    """The transformers model sharded with FSDP2 over every rank (per layer, then the root)."""
+
+    def __init__(self, args: TrainerArgs, rank: int, group: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        from weightsync.export.fsdp import FSDPExport
+
+        self.rank = rank
+        self.model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+        self._reference = copy.deepcopy(self.model).eval() if rank == 0 else None
+        mesh = init_device_mesh("cpu", (args.world_size,))
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-3)
+        self.export = FSDPExport(self.model)
+
+    def step(self, step: int) -> float:
+        gen = torch.Generator().manual_seed(1000 * step + self.rank)
+        batch = torch.randint(0, self.model.config.vocab_size, (2, 16), generator=gen)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # FSDP reduce-scatters the gradients
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def reference(self) -> Any:
+        # full_tensor() is a collective: every rank takes part, rank 0 keeps the result.
+        full = {name: p.full_tensor() for name, p in self.model.named_parameters()}
+        if self._reference is not None:
+            with torch.no_grad():
+                for name, param in self._reference.named_parameters():
+                    param.copy_(full[name])
+        return self._reference
+
+    def close(self) -> None:
+        pass
+
+
+class _MegatronTrainer:
+    """A Megatron-core GPTModel under TP / PP / EP, loaded from the checkpoint."""
+
+    def __init__(self, args: TrainerArgs, rank: int, group: Any) -> None:
+        from safetensors.torch import load_file
+
+        from weightsync.checkpoint import load_config_dict
+        from weightsync.testing.megatron.trainer import MegatronTrainer, load_hf_state
+
+        self.rank, self.group = rank, group
+        self.config = load_config_dict(args.checkpoint)
+        self.trainer = MegatronTrainer(
+            self.config, tp=args.tp_size, pp=args.pp_size, ep=args.ep_size, lr=2e-3
+        )
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(args.checkpoint).glob("*.safetensors")):
+            state.update(load_file(file))
+        load_hf_state(self.trainer.chunks, state, hf_config=self.config)
+        self.export = self.trainer.export()
+        self._reference = None
+        if rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            self._reference = AutoModelForCausalLM.from_pretrained(
+                args.checkpoint, dtype=torch.float32
+            ).eval()
+
+    def step(self, step: int) -> float | None:
+        losses = self.trainer.train(1)
+        return losses[-1] if losses else None
+
+    def reference(self) -> Any:
+        import weightsync as ws
+        from weightsync.testing.gather import gather_hf_state
+
+        full = gather_hf_state(self.export, self.group)
+        if self._reference is not None and full is not None:
+            with torch.no_grad():
+                for name, view in ws.ModelExport(self._reference):
+                    view.copy_(full[name])
+        return self._reference
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+_TRAINERS = {"hf": _HFTrainer, "fsdp": _FSDPTrainer, "megatron": _MegatronTrainer}
+TRAINER_KINDS: tuple[str, ...] = tuple(_TRAINERS)
+"""The trainers `weightsync demo --trainer` runs."""
 
 
 def _train_step(model: Any, optimizer: Any, rank: int, step: int, group: Any) -> float:

@@ -116,11 +116,14 @@ class Collective:
 
             ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             # Only the trainer's ranks take part; other ranks of the world need not call it.
+            # A group of the whole world is named by the world's group count instead of by its
+            # ranks, so that a later TrainerSync over the same ranks gets a group of its own
+            # (two groups of one name share rendezvous keys, and the second never connects).
             self._group = dist.new_group(
                 ranks,
                 backend="gloo",
                 timeout=timedelta(seconds=timeout_s),
-                use_local_synchronization=True,
+                use_local_synchronization=len(ranks) < dist.get_world_size(),
             )
 
     @property
@@ -180,15 +183,15 @@ class Collective:
             return None
         return [_checked(m, (expected,)) for m in gathered]
 
-    def all_gather(self, message: Any) -> list[Any]:
-        """Every rank's `message`, by rank, on every rank."""
+    def all_gather(self, message: Any, *, what: str = "all-gather of the holdings") -> list[Any]:
+        """Every rank's `message`, by rank, on every rank (`what` names it in errors)."""
         if self.world_size == 1:
             return [message]
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
         self._guard(
-            "all-gather of the holdings",
+            what,
             lambda: dist.all_gather_object(gathered, message, group=self._group),
         )
         return gathered

@@ -95,6 +95,10 @@ class SyncConfig:
             wait (the followers wait for the driver through pause, metadata and the check,
             the driver for every rank's push): past it every waiting rank raises
             `CollectiveError` rather than blocking on a dead or stopped rank.
+        check_replicas: before every push, compare a digest of each box across the ranks
+            that hold it (data-parallel copies, replicated norms) and refuse the sync with
+            `WeightsRefusedError` if copies differ: a debugging aid for sharded trainers
+            (one more all-gather, and every held tensor read once more).
 
     Raises:
         ValueError: a part of the wrong type.
@@ -104,6 +108,7 @@ class SyncConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     transport: TransportConfig = field(default_factory=MooncakeConfig)
     collective_timeout_s: float = 1800.0
+    check_replicas: bool = False
 
     def __post_init__(self) -> None:
         value = self.collective_timeout_s

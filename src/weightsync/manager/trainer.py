@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from weightsync.errors import LayoutMismatchError, PartialPushError, WeightsRefusedError
 from weightsync.export.base import WeightExport
+from weightsync.export.consistency import box_digests, replica_mismatches
 from weightsync.export.fp8 import Fp8Export, fp8_holding
 from weightsync.layout.config import config_data, model_dims
 from weightsync.layout.families import family_for
@@ -197,6 +198,14 @@ class TrainerSync:
             raise ValueError("sync() on a closed TrainerSync")
         mine = self._sender.holding(export)
         holdings = tuple(sorted(self._collective.all_gather(mine), key=lambda h: h.rank))
+        if self._config.check_replicas:
+            # Every rank sees every digest and so raises the same error, before any write.
+            digests = self._collective.all_gather(
+                box_digests(export), what="all-gather of the replica digests"
+            )
+            problems = replica_mismatches(digests)
+            if problems:
+                raise WeightsRefusedError("; ".join(problems))
         if self._manager is None:
             return self._follow(export)
         pushed = False
