@@ -146,8 +146,10 @@ def plan(
             as_json,
         )
         return
-    rollout_tp, rollout_ep = rollout_tp or 1, rollout_ep or 1
-    replicas, trainer_pp = replicas or 1, trainer_pp or 1
+    rollout_tp = 1 if rollout_tp is None else rollout_tp
+    rollout_ep = 1 if rollout_ep is None else rollout_ep
+    replicas = 1 if replicas is None else replicas
+    trainer_pp = 1 if trainer_pp is None else trainer_pp
     try:
         if plot is not None:
             raise _BadOption("--plot", "draws a --simulate run; add --simulate")

@@ -128,6 +128,15 @@ def _resolve(config: dict[str, Any], o: SimulateOptions) -> dict[str, Any]:
         moe = family_for(config["model_type"]).moe
     except ValueError as exc:
         raise SimulateOptionError("--model-config", f"{exc}") from exc
+    for option, given in (
+        ("--rollout-tp", o.rollout_tp),
+        ("--rollout-ep", o.rollout_ep),
+        ("--replicas", o.replicas),
+        ("--trainer-pp", o.trainer_pp),
+        ("--trainer-dp", o.trainer_dp),
+    ):
+        if given is not None and given < 1:
+            raise SimulateOptionError(option, f"must be at least 1, got {given}")
     rollout_tp = o.rollout_tp or min(DEFAULT_ROLLOUT_TP, o.rollout_gpus)
     if o.rollout_gpus % rollout_tp:
         raise SimulateOptionError(
