@@ -19,9 +19,11 @@ positions and sizes decide, never input order). `network_schedule` builds it in 
    last), then the lower target. No receiver is hammered by two sources while another waits
    idle, and the receivers that bound the sync are kept busy from start to end.
 
-`round_robin_schedule` is the comparison: each rollout replica is fed by one data-parallel
-copy, round robin (replica ``r`` by copy ``r % dp``, as Miles deals engines to trainer
-ranks), and each source walks its targets in rank order.
+`plan_schedule` reads the schedule off a `SyncPlan` (what today's senders execute), so the
+simulator can predict a sync that really runs. `round_robin_schedule` is the comparison:
+each rollout replica is fed by one data-parallel copy, round robin (replica ``r`` by copy
+``r % dp``, as Miles deals engines to trainer ranks), and each source walks its targets in
+rank order.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 from weightsync.plan.assign import UnitKey, WorkUnit, assign_units
+from weightsync.plan.items import CopyItem
 from weightsync.plan.network import NetworkModel
 from weightsync.plan.simulator import Engine
+from weightsync.plan.sync_plan import SyncPlan
 from weightsync.plan.traffic import TrafficGroup, TrafficUnit
 from weightsync.plan.transfers import Schedule, Transfer
+from weightsync.plan.types import TargetRank
 
 DEFAULT_WINDOWS = 4
 
@@ -234,3 +239,51 @@ def _greedy_order(
 
     engine.run(sorted(pending), choose)
     return {rank: tuple(order[rank]) for rank in sorted(order)}
+
+
+def plan_schedule(plan: SyncPlan) -> Schedule:
+    """The schedule a `SyncPlan` from `build_plan` makes: what its senders do.
+
+    One transfer per source and target carrying the source's items for the target's layout,
+    with the writes the sender issues after merging runs adjacent in the destination (within
+    one parameter), targets in the plan's order. Target index ``i`` is ``plan.targets[i]``;
+    the source is its trainer rank.
+    """
+    index_of = {(t.replica, t.rank): i for i, t in enumerate(plan.targets)}
+    queues: dict[int, tuple[Transfer, ...]] = {}
+    for rank, source in plan.source_plans.items():
+        items: dict[int, list] = defaultdict(list)
+        for works in source.work.values():
+            for work in works:
+                items[work.layout_id].extend(work.items)
+        transfers = []
+        for layout_id, layout_items in items.items():
+            units = tuple(sorted({(item.hf_name or "", layout_id) for item in layout_items}))
+            num_bytes = sum(item.num_bytes for item in layout_items)
+            for target in source.targets[layout_id]:
+                transfers.append(
+                    Transfer(
+                        source=rank,
+                        target=index_of[(target.replica, target.rank)],
+                        window=0,
+                        num_bytes=num_bytes,
+                        num_writes=_num_writes(target, layout_items),
+                        units=units,
+                    )
+                )
+        if transfers:
+            queues[rank] = tuple(sorted(transfers, key=lambda t: t.target))
+    return Schedule(name="plan", num_targets=len(plan.targets), queues=queues)
+
+
+def _num_writes(target: TargetRank, items: Sequence[CopyItem]) -> int:
+    """Writes into `target` after merging items adjacent in its memory, within a parameter."""
+    runs = sorted(
+        (target.weights_info[item.param_name][0] + item.dst_offset_bytes, item) for item in items
+    )
+    count, end, param = 0, None, None
+    for start, item in runs:
+        if start != end or item.param_name != param:
+            count += 1
+        end, param = start + item.num_bytes, item.param_name
+    return count

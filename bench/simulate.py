@@ -1,0 +1,280 @@
+"""The network simulator's predictions against real syncs measured in the same run.
+
+For each point (``replicas x tp``) it starts real replicas (`weightsync serve`, seeded
+synthetic weights) and real trainer ranks, times the push phase (the data phase: what the
+simulator predicts) of ``--repeats`` P2P syncs without digests, and predicts the same sync:
+the plan the senders execute (`build_plan` on the same layout, read by `plan_schedule`)
+simulated on a `NetworkModel` whose constants are fitted, in this run, from the transport
+alone:
+
+- CPU (Mooncake TCP): every process shares the host, so the host is one node with one NIC
+  whose rate is a raw Mooncake TCP write of the sync's bytes between two processes; the
+  message latency is a batch of one 4 KiB write, submit to completion; the cost per write is
+  the extra time of a batch of many small writes over that latency and their bytes.
+- CUDA (``--device cuda``, trainer and replica on one GPU, CUDA IPC): one node, the copy's
+  rate is an in-process device copy of the sync's bytes (as NVLink), the cost per write that
+  of many small copies.
+
+Prints a table (predicted, measured, error) and one JSON line (``points``, ``fitted``,
+``max_abs_error``).
+
+    python bench/simulate.py                         # dense-256m; 1x1, 2x1, 2x2, 3x2 on CPU
+    python bench/simulate.py --quick                 # tiny, two points
+    python bench/simulate.py --device cuda --points 1x1 --trainer-ranks 1 --preset dense-1g
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    KIB,
+    MIB,
+    PRESETS,
+    GpuCeiling,
+    HostCeiling,
+    log,
+    median,
+    workload_config,
+    write_config,
+)
+from sync import launch
+from weightsync.layout.dtypes import canonical_dtype_name
+from weightsync.plan import build_plan, simulate_sources, simulate_targets
+from weightsync.plan.network import NetworkModel
+from weightsync.plan.schedule import plan_schedule
+from weightsync.plan.simulator import simulate
+from weightsync.testing.trainers import SyncTrainers, TrainerSpec
+
+METHOD = "p2p-nodigest"
+SMALL_WRITES = 2048  # writes in the per-write fit
+SMALL_WRITE_BYTES = 16 * KIB
+
+
+def fit_host(num_bytes: int, repeats: int) -> dict[str, float]:
+    """Mooncake TCP's rate and per-write cost between two processes on this host."""
+    ceiling = HostCeiling(num_bytes)
+    try:
+        seconds = median([ceiling.mooncake() for _ in range(repeats)])
+        rate = num_bytes / seconds
+        # As many small writes as fit the measurement's buffer, at most SMALL_WRITES.
+        count = max(1, min(SMALL_WRITES, ceiling.buffer_bytes // SMALL_WRITE_BYTES))
+        small = median([ceiling.mooncake_writes(count, SMALL_WRITE_BYTES) for _ in range(repeats)])
+        # A batch of one small write: the fixed cost of a message, submit to completion.
+        latency = median([ceiling.mooncake_writes(1, 4 * KIB) for _ in range(repeats)])
+    finally:
+        ceiling.close()
+    write_cost = max(0.0, (small - latency - count * SMALL_WRITE_BYTES / rate) / count)
+    return {"bytes_per_s": rate, "write_cost_s": write_cost, "message_latency_s": latency}
+
+
+def fit_gpu(num_bytes: int, repeats: int) -> dict[str, float]:
+    """One GPU's device-copy rate and per-copy cost (trainer and replica on GPU 0)."""
+    big = GpuCeiling(num_bytes, gpus=(0, 0), region_bytes=256 * MIB)
+    try:
+        rate = num_bytes / median([big.measure()["peer_copy"] for _ in range(repeats)])
+    finally:
+        big.close()
+    small_bytes = SMALL_WRITES * 64 * KIB
+    small = GpuCeiling(small_bytes, gpus=(0, 0), region_bytes=64 * KIB)
+    try:
+        seconds = median([small.measure()["peer_copy"] for _ in range(repeats)])
+    finally:
+        small.close()
+    write_cost = max(0.0, (seconds - small_bytes / rate) / SMALL_WRITES)
+    return {"bytes_per_s": rate, "write_cost_s": write_cost, "message_latency_s": 0.0}
+
+
+def network_for(device: str, fitted: dict[str, float], num_endpoints: int) -> NetworkModel:
+    """The fitted model: one node holding every process, one shared link."""
+    gbps = fitted["bytes_per_s"] * 8 / 1e9
+    common = {
+        "gpus_per_node": max(8, num_endpoints),
+        "nics_per_node": 1,
+        "write_cost_s": fitted["write_cost_s"],
+        "message_latency_s": fitted["message_latency_s"],
+    }
+    if device == "cuda":
+        return NetworkModel(nvlink_gbps=gbps, colocated=True, **common)
+    return NetworkModel(nic_gbps=gbps, **common)
+
+
+def predict(config: dict, args: Namespace, replicas: int, tp: int, network: NetworkModel):
+    """The simulated push of the plan the senders execute for this point."""
+    dtype = canonical_dtype_name(args.dtype)
+    plan = build_plan(
+        hf_config=config,
+        targets=simulate_targets(config, tp=tp, replicas=replicas, dtype=dtype),
+        sources=simulate_sources(config, num_sources=args.trainer_ranks, pp=args.trainer_pp),
+        dtype=dtype,
+    )
+    schedule = plan_schedule(plan)
+    return schedule, simulate(schedule, network)
+
+
+def measure_point(
+    config: dict, args: Namespace, replicas: int, tp: int, workdir: Path
+) -> dict[str, Any]:
+    """Start one point's replicas and trainer ranks, time the pushes, stop everything."""
+    point = Namespace(**{**vars(args), "replicas": replicas, "rollout_tp": tp, "rollout_ep": 1})
+    api_key = secrets.token_hex(8)
+    model_dir = write_config(config, workdir / "model")
+    running = launch(point, model_dir, api_key, workdir / "logs")
+    try:
+        spec = TrainerSpec(
+            config=config,
+            urls=tuple(r.url for r in running),
+            api_key=api_key,
+            world_size=args.trainer_ranks,
+            pp_size=args.trainer_pp,
+            rollout_dtype=canonical_dtype_name(args.dtype),
+            trainer_dtype=canonical_dtype_name(args.dtype),
+            device=args.device,
+            seed=args.seed,
+            bucket_bytes=args.bucket_mb * MIB,
+            num_workers=args.num_workers,
+            timeout_s=args.timeout_s,
+            transport=args.transport,
+            methods=(METHOD,),
+        )
+        with SyncTrainers(spec) as trainers:
+            warmup = trainers.run(METHOD)["report"]
+            reports = [trainers.run(METHOD)["report"] for _ in range(args.repeats)]
+    finally:
+        for replica in running:
+            replica.stop()
+    return {
+        "bytes": warmup["bytes"],
+        "num_writes": warmup["num_writes"],
+        "push_s": median([r["phases"]["push"] for r in reports]),
+        "sync_s": median([r["seconds"] for r in reports]),
+        "push_runs_s": [r["phases"]["push"] for r in reports],
+    }
+
+
+def parse_args(argv: list[str] | None) -> Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="default: dense-256m (tiny: --quick)")
+    p.add_argument(
+        "--points",
+        nargs="+",
+        default=None,
+        help="replicas x tp, e.g. 2x1 (default: 1x1 2x1 2x2 3x2)",
+    )
+    p.add_argument("--trainer-ranks", type=int, default=2)
+    p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--num-workers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--quick", action="store_true", help="tiny model, two points, one repeat")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
+        args.points = args.points or ["1x1", "2x1"]
+    args.preset = args.preset or ("tiny" if args.quick else "dense-256m")
+    args.points = args.points or ["1x1", "2x1", "2x2", "3x2"]
+    args.transport = "cuda_ipc" if args.device == "cuda" else "mooncake"
+    args.rollout_gpu_offset = 0 if args.device == "cuda" else None
+    if args.device == "cuda" and (args.points != ["1x1"] or args.trainer_ranks != 1):
+        p.error("--device cuda calibrates one GPU: --points 1x1 --trainer-ranks 1")
+    if args.trainer_ranks % args.trainer_pp:
+        p.error("--trainer-pp must divide --trainer-ranks")
+    parsed = []
+    for point in args.points:
+        try:
+            replicas, tp = (int(v) for v in point.lower().split("x"))
+        except ValueError:
+            p.error(f"--points: {point!r} is not REPLICASxTP (e.g. 2x1)")
+        parsed.append((replicas, tp))
+    args.parsed_points = parsed
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every point; print the table and the JSON line."""
+    args = parse_args(argv)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    config = workload_config(args.preset)
+    root = Path(tempfile.mkdtemp(prefix="weightsync-bench-simulate-"))
+    points = []
+    try:
+        for replicas, tp in args.parsed_points:
+            log(f"{replicas} replica(s) x tp{tp}: measuring")
+            measured = measure_point(config, args, replicas, tp, root / f"r{replicas}tp{tp}")
+            log(f"  push {measured['push_s']:.3f} s; fitting the transport over the same bytes")
+            fit = fit_host if args.device == "cpu" else fit_gpu
+            fitted = fit(measured["bytes"], max(args.repeats, 3))
+            network = network_for(args.device, fitted, replicas * tp + args.trainer_ranks)
+            schedule, result = predict(config, args, replicas, tp, network)
+            if schedule.num_bytes != measured["bytes"]:
+                raise RuntimeError(
+                    f"the plan moves {schedule.num_bytes} B, the sync {measured['bytes']} B"
+                )
+            points.append(
+                {
+                    "replicas": replicas,
+                    "rollout_tp": tp,
+                    "bytes": measured["bytes"],
+                    "predicted_s": result.makespan_s,
+                    "measured_push_s": measured["push_s"],
+                    "measured_sync_s": measured["sync_s"],
+                    "error": result.makespan_s / measured["push_s"] - 1,
+                    "plan_writes": sum(t.num_writes for t in schedule.transfers()),
+                    "measured_writes": measured["num_writes"],
+                    "link_gbps": fitted["bytes_per_s"] * 8 / 1e9,
+                    "write_cost_us": fitted["write_cost_s"] * 1e6,
+                    "message_latency_us": fitted["message_latency_s"] * 1e6,
+                    "push_runs_s": measured["push_runs_s"],
+                }
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"\n{args.preset}, {args.trainer_ranks} trainer rank(s) pp{args.trainer_pp}, {args.device} "
+        f"({args.transport}), {METHOD}, median of {args.repeats}"
+    )
+    header = ("point", "MB", "writes", "link Gb/s", "us/write", "predicted", "measured", "error")
+    print(" | ".join(f"{h:>10}" for h in header))
+    for p in points:
+        row = (
+            f"{p['replicas']}x tp{p['rollout_tp']}",
+            f"{p['bytes'] / 1e6:.1f}",
+            f"{p['plan_writes']}/{p['measured_writes']}",
+            f"{p['link_gbps']:.2f}",
+            f"{p['write_cost_us']:.1f}",
+            f"{p['predicted_s']:.3f} s",
+            f"{p['measured_push_s']:.3f} s",
+            f"{p['error']:+.1%}",
+        )
+        print(" | ".join(f"{v:>10}" for v in row))
+    summary = {
+        "preset": args.preset,
+        "device": args.device,
+        "transport": args.transport,
+        "trainer_ranks": args.trainer_ranks,
+        "method": METHOD,
+        "points": points,
+        "max_abs_error": max(abs(p["error"]) for p in points),
+    }
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
