@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from weightsync.export import ModelExport, hf_state_items
+from weightsync.export import ModelExport, TensorsExport, hf_state_items
 from weightsync.layout import hf_tensor_shapes
 from weightsync.plan import simulate_sources, stage_layers
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
@@ -140,3 +140,18 @@ def test_geometry_is_kept_while_the_model_stays_put() -> None:
     proj = model.model.layers[0].self_attn.q_proj
     proj.weight = torch.nn.Parameter(proj.weight.detach().t().contiguous().t())
     assert export.geometry() != first
+
+
+def test_tensors_export_declares_slices_and_checks_their_extents() -> None:
+    full = torch.arange(24.0).reshape(4, 6)
+    export = TensorsExport(
+        {"w": full[:, 2:5], "b": torch.zeros(3)}, slices={"w": ((4, 6), ((0, 4), (2, 5)))}
+    )
+    holding = export.holding()
+    assert holding["w"].shape == (4, 6) and holding["w"].box == ((0, 4), (2, 5))
+    assert holding["b"].box is None
+    wrong = TensorsExport({"w": full[:, 2:4]}, slices={"w": ((4, 6), ((0, 4), (2, 5)))})
+    with pytest.raises(ValueError, match=r"'w' has shape \(4, 2\).*expected shape \(4, 3\)"):
+        wrong.holding()
+    with pytest.raises(ValueError, match="not given"):
+        TensorsExport({}, slices={"w": ((4, 6), ((0, 4), (2, 5)))})

@@ -23,7 +23,7 @@ from weightsync.testing.presets import preset_config
 
 def _units(sizes: list[int], holders: tuple[int, ...] = (0, 1)) -> list[WorkUnit]:
     return [
-        WorkUnit(key=(f"t{i}", 0), holders=holders, num_bytes=size, position=(0, i, 0))
+        WorkUnit(key=(f"t{i}", 0, ()), holders=holders, num_bytes=size, position=(0, i, 0))
         for i, size in enumerate(sizes)
     ]
 
@@ -42,14 +42,14 @@ def _plan_units(plan: SyncPlan, sources: list[SourceHolding]) -> list[WorkUnit]:
         for name in source.tensors:
             holders[name].append(source.rank)
     units = []
-    for (hf_name, layout_id), rank in plan.assignments.items():
+    for (hf_name, layout_id, box), rank in plan.assignments.items():
         (work,) = [w for w in plan.for_source(rank).work[hf_name] if w.layout_id == layout_id]
         group = plan.groups[layout_id]
         first = work.items[0]
         index = [p.name for p in group.params].index(first.param_name)
         units.append(
             WorkUnit(
-                key=(hf_name, layout_id),
+                key=(hf_name, layout_id, box),
                 holders=tuple(holders[hf_name]),
                 num_bytes=work.num_bytes * len(group.targets),
                 position=(layout_id, index, first.dst_offset_bytes),
@@ -128,9 +128,9 @@ def test_greedy_is_kept_when_contiguous_runs_balance_clearly_worse() -> None:
 
 
 def test_narrow_holder_sets_go_first_and_wider_ones_fill_around_them() -> None:
-    only_zero = WorkUnit(key=("a", 0), holders=(0,), num_bytes=10, position=(0, 0, 0))
+    only_zero = WorkUnit(key=("a", 0, ()), holders=(0,), num_bytes=10, position=(0, 0, 0))
     shared = [
-        WorkUnit(key=(f"b{i}", 0), holders=(0, 1), num_bytes=1, position=(0, 1 + i, 0))
+        WorkUnit(key=(f"b{i}", 0, ()), holders=(0, 1), num_bytes=1, position=(0, 1 + i, 0))
         for i in range(20)
     ]
     units = [*shared, only_zero]

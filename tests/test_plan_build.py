@@ -147,7 +147,7 @@ def test_all_padding_shards_are_written_by_exactly_one_source() -> None:
         assert all(s.hf_name is None for s in embed.segments + lm_head.segments)
         writers = {
             (hf_name, rank)
-            for (hf_name, layout_id), rank in plan.assignments.items()
+            for (hf_name, layout_id, _), rank in plan.assignments.items()
             for work in plan.for_source(rank).work[hf_name]
             if work.layout_id == layout_id == group.layout_id
             for item in work.items

@@ -8,6 +8,7 @@ parameter's address plus its offset. The result must equal the engine-side loade
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -120,6 +121,45 @@ def clusters(draw: st.DrawFn) -> tuple[dict, list[TargetRank], list[SourceHoldin
     return config, targets, sources, dtype
 
 
+def _grid_boxes(shape: tuple[int, ...], rng: random.Random) -> list[tuple]:
+    """A random grid of boxes that tile `shape`: each dim cut at up to two random points."""
+    cuts = []
+    for dim in shape:
+        points = sorted(rng.sample(range(1, dim), min(dim - 1, rng.randint(0, 2))))
+        edges = [0, *points, dim]
+        cuts.append(list(itertools.pairwise(edges)))
+    boxes: list[tuple] = [()]
+    for windows in cuts:
+        boxes = [(*box, window) for box in boxes for window in windows]
+    return boxes
+
+
+@st.composite
+def sharded_clusters(draw: st.DrawFn) -> tuple[dict, list[TargetRank], list[SourceHolding], str]:
+    """As `clusters`, but every tensor is cut into a random grid of boxes (TP slices, expert
+    ranges, FSDP rows), each box held by a random non-empty set of sources (its DP copies);
+    some tensors stay whole on some sources."""
+    config, targets, _, dtype = draw(clusters())
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    held: dict[int, dict[str, TensorMeta]] = {rank: {} for rank in range(draw(st.integers(1, 6)))}
+    for name, shape in hf_tensor_shapes(config).items():
+        boxes = [None] if rng.random() < 0.2 else _grid_boxes(shape, rng)
+        free = list(held)  # sources that hold nothing of this tensor yet
+        rng.shuffle(free)
+        for box in boxes:
+            for copy in range(rng.randint(1, 2)):
+                if not free and copy > 0:
+                    break
+                if not free:  # more boxes than sources: one more source
+                    free.append(len(held))
+                    held[len(held)] = {}
+                held[free.pop()][name] = TensorMeta(shape=shape, dtype="float32", box=box)
+    sources = [
+        SourceHolding(rank=rank, tensors=tensors) for rank, tensors in held.items() if tensors
+    ]
+    return config, targets, sources, dtype
+
+
 def random_hf_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {
@@ -149,8 +189,16 @@ def execute(plan: SyncPlan, hf_state_dict: dict[str, torch.Tensor]) -> dict:
                         payload = np.zeros(item.num_bytes, dtype=np.uint8)
                     else:
                         assert item.hf_name == hf_name
+                        local = hf_state_dict[item.hf_name]
+                        if hf_name in source_plan.boxes:  # the source holds only this box
+                            held = source_plan.boxes[hf_name]
+                            local = local[tuple(slice(a, b) for a, b in held)]
+                        assert tuple(local.shape) == tuple(source_plan.shapes[hf_name])
                         box = tuple(slice(a, b) for a, b in item.src_box)
-                        data = hf_state_dict[item.hf_name][box].to(torch_dtype(plan.dtype))
+                        assert all(
+                            b <= d for (_, b), d in zip(item.src_box, local.shape, strict=True)
+                        )
+                        data = local[box].to(torch_dtype(plan.dtype))
                         payload = data.contiguous().view(-1).view(torch.uint8).numpy()
                     assert payload.size == item.num_bytes
                     assert item.num_bytes % element_size == 0
@@ -183,13 +231,26 @@ def check_against_loader(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sharded_clusters())
+def test_sources_holding_boxes_write_exactly_what_the_loader_leaves(cluster) -> None:
+    config, targets, sources, dtype = cluster
+    plan = build_plan(hf_config=config, targets=targets, sources=sources, dtype=dtype)
+    check_against_loader(plan, config, random_hf_state_dict(config))
+    metas = {s.rank: s.tensors for s in sources}
+    for (hf_name, _, box), rank in plan.assignments.items():
+        assert (metas[rank][hf_name].box or ()) == box  # written by a holder of its box
+        if box:
+            assert plan.for_source(rank).boxes[hf_name] == box
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(clusters())
 def test_plan_writes_exactly_what_the_loader_leaves(cluster) -> None:
     config, targets, sources, dtype = cluster
     plan = build_plan(hf_config=config, targets=targets, sources=sources, dtype=dtype)
     check_against_loader(plan, config, random_hf_state_dict(config))
     holders = {s.rank: s.tensors for s in sources}
-    for (hf_name, layout_id), rank in plan.assignments.items():
+    for (hf_name, layout_id, _), rank in plan.assignments.items():
         assert hf_name in holders[rank]
         assert layout_id in plan.for_source(rank).targets
     # Work lists each source's tensors in the order that source yields them.
@@ -243,7 +304,7 @@ def test_assignment_bound_when_every_source_holds_everything(config, num_sources
             for item in work.items
         )
         * len(groups[layout_id].targets)
-        for (hf_name, layout_id), rank in plan.assignments.items()
+        for (hf_name, layout_id, _), rank in plan.assignments.items()
     )
     assert max(loads.values()) <= mean + largest_unit
     assert plan.imbalance <= 1 + largest_unit / mean

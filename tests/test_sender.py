@@ -235,6 +235,58 @@ def _split_sources(sender, model, receiver, group, num_sources):
     return [plan.for_source(rank) for rank in range(num_sources)], exports
 
 
+def _sliced_sources(model: torch.nn.Module, num_sources: int) -> list[Any]:
+    """One export per source rank, each holding slices of every tensor, as a sharded trainer
+    does: 2-D tensors alternately cut into row halves and column thirds (column slices stay
+    strided views of the model's tensors), 1-D tensors into halves; a source beyond a
+    tensor's number of boxes holds a copy of one (a data-parallel replica)."""
+    from weightsync.export import TensorsExport
+
+    tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(num_sources)]
+    slices: list[dict[str, Any]] = [{} for _ in range(num_sources)]
+    for index, (name, full) in enumerate(ModelExport(model)):
+        dim = 1 if full.dim() == 2 and index % 2 else 0
+        parts = 3 if dim == 1 else 2
+        size = full.shape[dim]
+        edges = [size * k // parts for k in range(parts + 1)]
+        for rank in range(num_sources):
+            start, stop = edges[rank % parts], edges[rank % parts + 1]
+            box = [(0, n) for n in full.shape]
+            box[dim] = (start, stop)
+            tensors[rank][name] = full.narrow(dim, start, stop - start)
+            slices[rank][name] = (tuple(full.shape), tuple(box))
+    return [TensorsExport(t, slices=b) for t, b in zip(tensors, slices, strict=True)]
+
+
+@pytest.mark.parametrize("group", ["tiny", "moe"])
+def test_sources_holding_slices_write_them_bit_exact(
+    receiver: Receiver, transport, group: str
+) -> None:
+    receiver.call(cmd="fill", group=group, value=7.0)
+    model = random_model(MODELS[group], seed=4)
+    exports = _sliced_sources(model, num_sources=4)
+    holdings = [
+        SourceHolding(rank=rank, tensors=export.holding()) for rank, export in enumerate(exports)
+    ]
+    assert holdings[0].tensors["model.layers.0.self_attn.q_proj.weight"].box is not None
+    plan = build_plan(
+        hf_config=MODELS[group],
+        targets=receiver.target_ranks(group),
+        sources=holdings,
+        dtype="bfloat16",
+    )
+    sender = WeightSender(_config(bucket_bytes=1 << 20), transport=transport)
+    written = 0
+    for rank, export in enumerate(exports):
+        stats = sender.push(plan.for_source(rank), export)
+        assert stats.bytes_written == plan.for_source(rank).num_bytes_written
+        written += stats.bytes_written
+    assert written == plan.num_bytes_written
+    assert sum(1 for rank in range(4) if plan.for_source(rank).num_bytes_written) >= 3
+    _assert_exact(receiver, group, seed=4)
+    sender.close()
+
+
 def test_small_buckets_split_items_over_many_slots(receiver: Receiver, transport) -> None:
     receiver.call(cmd="fill", group="tiny", value=7.0)
     sender = WeightSender(

@@ -10,7 +10,7 @@ stream yields the per-expert checkpoint tensors as views of the fused ones.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from weightsync.export.base import ViewExport
 from weightsync.layout.names import EMBED_TOKENS, LM_HEAD
 from weightsync.plan import stage_layers
+from weightsync.plan.types import TensorMeta
 
 _LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 _FUSED_GATE_UP_RE = re.compile(r"^(.*\.experts)\.gate_up_proj$")
@@ -167,13 +168,50 @@ class TensorsExport(ViewExport):
 
     For callers that already hold their rank's tensors under HF names with global layer
     numbers (their own conversion, or another framework's ``(name, tensor)`` stream
-    collected into a dict of views).
+    collected into a dict of views). A tensor may be a slice of the HF tensor (a sharded
+    trainer's part of it): `slices` then says which box of which full shape it is.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Export `tensors` (the mapping is read at every iteration, not copied)."""
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        slices: Mapping[str, tuple[Sequence[int], Sequence[tuple[int, int]]]] | None = None,
+    ) -> None:
+        """Export `tensors` (the mapping is read at every iteration, not copied).
+
+        Args:
+            tensors: ``{hf_name: tensor}`` in stream order.
+            slices: ``{hf_name: (full HF shape, box)}`` for the tensors that hold only a box
+                of their HF tensor (``(start, stop)`` per dim); each such tensor must have the
+                box's extents. Tensors not named are whole.
+
+        Raises:
+            ValueError: `slices` names a tensor that `tensors` lacks.
+        """
         super().__init__()
         self._tensors = tensors
+        self._slices = dict(slices or {})
+        unknown = sorted(set(self._slices) - set(tensors))
+        if unknown:
+            raise ValueError(f"TensorsExport slices name tensors it was not given: {unknown}")
+
+    def holding(self) -> Mapping[str, TensorMeta]:
+        """``{hf_name: TensorMeta}``: full shapes, and the box of each sliced tensor.
+
+        Raises:
+            ValueError: a sliced tensor's shape is not its box's extents.
+        """
+        metas = dict(super().holding())
+        for name, (shape, box) in self._slices.items():
+            meta = TensorMeta(shape=tuple(shape), dtype=metas[name].dtype, box=tuple(box))
+            if meta.local_shape != tuple(metas[name].shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(metas[name].shape)}, but its slice is "
+                    f"box {tuple(box)} of shape {tuple(shape)}: expected shape {meta.local_shape}"
+                )
+            metas[name] = meta
+        return metas
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The mapping's items, as they are (the sender reads them under ``no_grad``)."""

@@ -1,7 +1,8 @@
 """Which trainer source writes each work unit: contiguous in the destination, balanced in bytes.
 
-A work unit is one HF tensor's copies for one destination layout; a source must hold the
-whole tensor to take it. Two goals pull apart. Balance wants equal bytes per source, which a
+A work unit is one HF tensor's copies for one destination layout, or, where sharded sources
+hold boxes of the tensor, the copies one held box serves; a source must hold the whole tensor
+(or that box) to take it. Two goals pull apart. Balance wants equal bytes per source, which a
 largest-first greedy gets nearly perfect. Coalescing wants each source's units to sit next to
 each other in the destination: the sender merges adjacent runs of one parameter into one
 write, so the 64 experts of a fused ``w13_weight`` written by one source are one write, while
@@ -42,18 +43,20 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-UnitKey = tuple[str, int]
+# (hf_name, layout_id, box): box is () where the holders hold the whole tensor.
+UnitKey = tuple[str, int, tuple[tuple[int, int], ...]]
 
 DEFAULT_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkUnit:
-    """What the assignment needs to know about one ``(hf_name, layout_id)`` unit.
+    """What the assignment needs to know about one ``(hf_name, layout_id, box)`` unit.
 
     Attributes:
-        key: ``(hf_name, layout_id)``.
-        holders: the ranks of the sources that hold the HF tensor, sorted, without repeats.
+        key: ``(hf_name, layout_id, box)``; ``box`` is ``()`` for a tensor held whole.
+        holders: the ranks of the sources that hold the HF tensor (or the unit's box of it),
+            sorted, without repeats.
         num_bytes: bytes written for the unit over all targets of its layout.
         position: where its first copy lands, ``(layout_id, parameter index, byte offset)``;
             units of one layout are ordered by it.

@@ -6,14 +6,18 @@ Steps, each a function below:
 2. turn every parameter segment into a `CopyItem` and file it under its work unit
    ``(hf_name, layout_id)`` (padding goes with the parameter's first data tensor);
 3. validate targets and sources (all problems collected, one `LayoutMismatchError`);
-4. assign every unit to one source that holds its tensor, keeping each source's units
+4. cut the units of tensors that sharded sources hold in boxes along those boxes, into units
+   ``(hf_name, layout_id, box)`` (``box == ()`` where every holder holds the whole tensor),
+   refusing boxes that overlap partially and elements nobody holds;
+5. assign every unit to one source that holds its box, keeping each source's units
    contiguous in the destination and the bytes per source balanced (`assign_units`);
-5. assemble one `SourcePlan` per source and check that the items cover every destination
-   byte exactly once.
+6. assemble one `SourcePlan` per source, check that the items cover every destination
+   byte exactly once, and shift each box-holding source's reads to its own tensor's origin.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections import defaultdict
@@ -22,7 +26,9 @@ from typing import Any
 
 from weightsync.layout import hf_tensor_shapes, rank_layout
 from weightsync.layout.types import ParamLayout
+from weightsync.plan import boxes as box_ops
 from weightsync.plan.assign import UnitKey, WorkUnit, assign_units
+from weightsync.plan.boxes import Box
 from weightsync.plan.items import CopyItem, LayoutGroup, SourcePlan, StageWork
 from weightsync.plan.merge import merge_items
 from weightsync.plan.sync_plan import SyncPlan
@@ -30,6 +36,7 @@ from weightsync.plan.types import SourceHolding, TargetRank
 from weightsync.plan.validate import (
     check_coverage,
     check_disjoint,
+    check_held_boxes,
     check_inside_regions,
     check_source_dtypes,
     check_source_names,
@@ -69,31 +76,34 @@ def build_plan(
             layout (missing, unexpected, wrong numel or element size) or parameters whose
             memory overlaps; a source holds a tensor with the wrong shape, of a dtype that does
             not cast to the rollout's, or that is not the checkpoint's (and not skipped); or a
-            tensor the layout needs is held by no source.
+            tensor the layout needs is held by no source; sources hold boxes of one tensor
+            that overlap without being equal (or one holds it whole while others hold boxes);
+            or elements of a tensor the layout reads lie in no source's box.
     """
     _check_unique(targets, sources)
     if dtype is None:
         dtype = _reported_dtype(targets)
     groups = _group_targets(hf_config, targets, dtype)
     hf_shapes = hf_tensor_shapes(hf_config)
-    units, users = _work_units(groups, hf_shapes)
+    tensor_units, users = _work_units(groups, hf_shapes)
+    held = _held_boxes(sources)
 
-    holders: dict[str, list[int]] = defaultdict(list)
-    for source in sorted(sources, key=lambda s: s.rank):
-        for name in source.tensors:
-            holders[name].append(source.rank)
     problems = check_targets(groups)
     problems += check_disjoint(targets)
     problems += check_inside_regions(targets)
     problems += check_source_names(sources, hf_shapes, _skipper(skip_tensors))
     problems += check_source_dtypes(sources, _resolved_dtype(groups))
     problems += check_source_shapes(sources, hf_shapes, users)
-    problems += _check_held(units, holders, users, sources, hf_shapes)
-    raise_if_problems(problems)
+    problems += _check_held(tensor_units, held, users, sources, hf_shapes)
+    problems += check_held_boxes(held, users)
+    units, uncovered = _cut_along_boxes(tensor_units, held, users)
+    raise_if_problems(problems + uncovered)
 
+    holders = {key: held[key[0]][key[2]] for key in units}
     assignments = _assign(groups, units, holders)
     source_plans = _source_plans(groups, units, assignments, sources)
-    # Checked on the assembled per-source plans, so that assignment bugs show up too.
+    # Checked on the assembled per-source plans, so that assignment bugs show up too; in HF
+    # coordinates, before each source's reads are moved to its own tensor's origin.
     written: dict[int, dict[str, list[CopyItem]]] = defaultdict(lambda: defaultdict(list))
     for plan in source_plans.values():
         for works in plan.work.values():
@@ -102,6 +112,7 @@ def build_plan(
                     written[work.layout_id][item.param_name].append(item)
     for group in groups:
         raise_if_problems(check_coverage(group, written[group.layout_id], hf_shapes))
+    source_plans = {rank: _localised(plan) for rank, plan in source_plans.items()}
     return SyncPlan(
         dtype=_resolved_dtype(groups),
         targets=tuple(targets),
@@ -197,9 +208,10 @@ def _owners(params: Sequence[ParamLayout], hf_shapes: dict[str, tuple[int, ...]]
 
 def _work_units(
     groups: Sequence[LayoutGroup], hf_shapes: dict[str, tuple[int, ...]]
-) -> tuple[dict[UnitKey, tuple[CopyItem, ...]], dict[str, str]]:
-    """Every unit's merged items, and for each HF tensor one parameter that reads it."""
-    units: dict[UnitKey, list[tuple[int, CopyItem]]] = {}
+) -> tuple[dict[tuple[str, int], tuple[CopyItem, ...]], dict[str, str]]:
+    """Every ``(hf_name, layout_id)`` unit's merged items, and for each HF tensor one
+    parameter that reads it."""
+    units: dict[tuple[str, int], list[tuple[int, CopyItem]]] = {}
     users: dict[str, str] = {}
     padding_users: dict[str, str] = {}
     for group in groups:
@@ -234,29 +246,98 @@ def _work_units(
     return merged, padding_users | users
 
 
+def _held_boxes(sources: Sequence[SourceHolding]) -> dict[str, dict[Box, list[int]]]:
+    """``{hf_name: {box: ranks}}``: who holds which box of each tensor, ``()`` for the whole."""
+    held: dict[str, dict[Box, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for source in sorted(sources, key=lambda s: s.rank):
+        for name, meta in source.tensors.items():
+            held[name][meta.box or ()].append(source.rank)
+    return {name: dict(by_box) for name, by_box in held.items()}
+
+
 def _check_held(
-    units: dict[UnitKey, tuple[CopyItem, ...]],
-    holders: dict[str, list[int]],
+    units: dict[tuple[str, int], tuple[CopyItem, ...]],
+    held: dict[str, dict[Box, list[int]]],
     users: dict[str, str],
     sources: Sequence[SourceHolding],
     hf_shapes: dict[str, tuple[int, ...]],
 ) -> list[str]:
-    missing = sorted({hf_name for hf_name, _ in units if not holders.get(hf_name)})
+    missing = sorted({hf_name for hf_name, _ in units if hf_name not in held})
     if not missing:
         return []
-    held = describe_holdings(sources, hf_shapes)
+    described = describe_holdings(sources, hf_shapes)
     return [
         f"no trainer source holds HF tensor {name!r}, needed by "
         f"{users[name]}: expected a source holding it with shape "
-        f"{hf_shapes.get(name)}, actual: the sources hold {held}"
+        f"{hf_shapes.get(name)}, actual: the sources hold {described}"
         for name in missing
     ]
+
+
+def _cut_along_boxes(
+    units: dict[tuple[str, int], tuple[CopyItem, ...]],
+    held: dict[str, dict[Box, list[int]]],
+    users: dict[str, str],
+) -> tuple[dict[UnitKey, tuple[CopyItem, ...]], list[str]]:
+    """Each unit cut into one unit per held box it reads, and the tensors with unheld elements.
+
+    A tensor held whole keeps its unit (box ``()``). Padding goes with the box of the data
+    run just before it in the destination (the first box read when none is), so that it is
+    written together with that run. Tensors nobody holds, or whose boxes overlap partially,
+    are reported by other checks and left out here.
+    """
+    cut: dict[UnitKey, tuple[CopyItem, ...]] = {}
+    unheld: dict[str, int] = defaultdict(int)
+    for (name, layout_id), items in units.items():
+        by_box = held.get(name)
+        if by_box is None:
+            continue
+        if list(by_box) == [()]:
+            cut[(name, layout_id, ())] = items
+            continue
+        boxes = list(by_box)
+        if () in by_box or box_ops.disjoint_or_equal(boxes) is not None:
+            continue
+        pieces: dict[Box, list[CopyItem]] = defaultdict(list)
+        leading: list[CopyItem] = []
+        last: Box | None = None
+        for item in items:
+            if item.is_padding:
+                (pieces[last] if last is not None else leading).append(item)
+                continue
+            runs, missing = box_ops.cut(item, boxes)
+            unheld[name] += missing
+            ordered = sorted(
+                (
+                    (run.dst_offset_bytes, box, run)
+                    for box, box_runs in runs.items()
+                    for run in box_runs
+                ),
+                key=lambda entry: entry[0],
+            )
+            for _, box, run in ordered:
+                pieces[box].append(run)
+            if ordered:
+                last = ordered[-1][1]
+        if leading:
+            first = min(pieces, key=lambda box: pieces[box][0].dst_offset_bytes, default=None)
+            pieces[first if first is not None else min(boxes)][:0] = leading
+        for box, box_items in pieces.items():
+            cut[(name, layout_id, box)] = merge_items(box_items)
+    problems = [
+        f"{missing} elements of HF tensor {name!r} that {users.get(name, 'the rollout')} reads "
+        f"lie in no trainer source's box: expected the boxes the sources hold to cover the "
+        f"tensor, actual boxes {sorted(held[name])}"
+        for name, missing in sorted(unheld.items())
+        if missing
+    ]
+    return cut, problems
 
 
 def _assign(
     groups: Sequence[LayoutGroup],
     units: dict[UnitKey, tuple[CopyItem, ...]],
-    holders: dict[str, list[int]],
+    holders: dict[UnitKey, list[int]],
 ) -> dict[UnitKey, int]:
     """Each unit's source: contiguous runs in the destination, balanced bytes written."""
     param_index = {
@@ -269,7 +350,7 @@ def _assign(
         work_units.append(
             WorkUnit(
                 key=key,
-                holders=tuple(holders[key[0]]),
+                holders=tuple(holders[key]),
                 num_bytes=sum(item.num_bytes for item in items) * len(groups[layout_id].targets),
                 position=(
                     layout_id,
@@ -288,30 +369,58 @@ def _source_plans(
     assignments: dict[UnitKey, int],
     sources: Sequence[SourceHolding],
 ) -> dict[int, SourcePlan]:
-    by_source: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for (hf_name, layout_id), rank in assignments.items():
-        by_source[rank][hf_name].append(layout_id)
+    """One plan per source, its items still in HF coordinates."""
+    by_source: dict[int, dict[str, list[UnitKey]]] = defaultdict(lambda: defaultdict(list))
+    for key, rank in assignments.items():
+        by_source[rank][key[0]].append(key)
     plan_dtype = _resolved_dtype(groups)
     plans: dict[int, SourcePlan] = {}
     for source in sorted(sources, key=lambda s: s.rank):
         mine = by_source.get(source.rank, {})
+        # A source holds one box of a tensor, so its units of it differ in layout alone.
         work = {
             hf_name: tuple(
-                StageWork(layout_id=layout_id, items=units[(hf_name, layout_id)])
-                for layout_id in sorted(mine[hf_name])
+                StageWork(layout_id=key[1], items=units[key])
+                for key in sorted(mine[hf_name], key=lambda k: k[1])
             )
             for hf_name in source.tensors
             if hf_name in mine
         }
-        layout_ids = sorted({layout_id for ids in mine.values() for layout_id in ids})
+        layout_ids = sorted({key[1] for keys in mine.values() for key in keys})
         plans[source.rank] = SourcePlan(
             rank=source.rank,
             dtype=plan_dtype,
             work=work,
             targets={layout_id: groups[layout_id].targets for layout_id in layout_ids},
-            shapes={hf_name: tuple(source.tensors[hf_name].shape) for hf_name in work},
+            shapes={hf_name: source.tensors[hf_name].local_shape for hf_name in work},
+            boxes={
+                hf_name: box for hf_name in work if (box := source.tensors[hf_name].box) is not None
+            },
         )
     return plans
+
+
+def _localised(plan: SourcePlan) -> SourcePlan:
+    """`plan` with the reads of each tensor it holds a box of relative to that box's start."""
+    if not plan.boxes:
+        return plan
+    work = {}
+    for hf_name, works in plan.work.items():
+        box = plan.boxes.get(hf_name)
+        if box is None:
+            work[hf_name] = works
+            continue
+        origin = tuple(start for start, _ in box)
+        work[hf_name] = tuple(
+            StageWork(
+                layout_id=w.layout_id,
+                items=tuple(
+                    item if item.is_padding else box_ops.shift(item, origin) for item in w.items
+                ),
+            )
+            for w in works
+        )
+    return dataclasses.replace(plan, work=work)
 
 
 def _num_write_regions(plan: SourcePlan) -> int:

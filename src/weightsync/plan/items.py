@@ -20,7 +20,9 @@ class CopyItem:
 
     Attributes:
         hf_name: the HF tensor the elements come from, or ``None`` for zeros.
-        src_box: ``(start, stop)`` per dim of the HF tensor; empty for padding.
+        src_box: ``(start, stop)`` per dim of the HF tensor; in a `SourcePlan`, of the tensor
+            the source yields (relative to the start of the box it holds, `SourcePlan.boxes`);
+            empty for padding.
         param_name: the rollout parameter written.
         dst_offset_bytes: where the run starts, in bytes from the parameter's address.
         num_bytes: length of the run in bytes (elements times the plan dtype's element size).
@@ -117,8 +119,11 @@ class SourcePlan:
         work: ``{hf_name: (StageWork, ...)}`` in the order the source yields its tensors, each
             tuple sorted by layout id.
         targets: ``{layout_id: targets}`` for every layout this source writes to.
-        shapes: ``{hf_name: shape}`` of the tensors in `work`, as the source declared them
-            when the plan was built.
+        shapes: ``{hf_name: shape}`` of the tensors in `work` as the source's stream yields
+            them (a held box's extents), as the source declared them when the plan was built.
+        boxes: ``{hf_name: box}`` for the tensors of `work` the source holds a box of (a
+            sharded trainer's slice); their items read relative to the box's start. Tensors
+            held whole are absent.
     """
 
     rank: int
@@ -126,6 +131,7 @@ class SourcePlan:
     work: Mapping[str, tuple[StageWork, ...]] = field(hash=False)
     targets: Mapping[int, tuple[TargetRank, ...]] = field(hash=False)
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict, hash=False)
+    boxes: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict, hash=False)
 
     @property
     def num_bytes_staged(self) -> int:

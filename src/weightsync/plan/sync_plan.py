@@ -20,8 +20,9 @@ class SyncPlan:
         dtype: the rollout dtype (torch name without prefix).
         targets: the rollout ranks, in the order they were given.
         groups: one `LayoutGroup` per distinct layout, sorted by layout key.
-        assignments: ``{(hf_name, layout_id): source_rank}``: who stages and writes each HF
-            tensor for each layout.
+        assignments: ``{(hf_name, layout_id, box): source_rank}``: who stages and writes each
+            HF tensor for each layout; ``box`` is ``()`` for a tensor its holders hold whole,
+            else the box of it the unit's holders hold.
         source_plans: ``{source_rank: SourcePlan}`` for every source given, sorted by rank
             (a source with nothing to do has an empty plan).
         num_write_regions: writes over all sources and targets after coalescing items that are
@@ -31,7 +32,7 @@ class SyncPlan:
     dtype: str
     targets: tuple[TargetRank, ...]
     groups: tuple[LayoutGroup, ...]
-    assignments: Mapping[tuple[str, int], int] = field(hash=False)
+    assignments: Mapping[tuple[str, int, tuple[tuple[int, int], ...]], int] = field(hash=False)
     source_plans: Mapping[int, SourcePlan] = field(hash=False)
     num_write_regions: int
 

@@ -14,6 +14,7 @@ from weightsync.layout import layer_index
 from weightsync.layout.dtypes import FLOAT_DTYPES
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.types import ParamLayout
+from weightsync.plan.boxes import disjoint_or_equal
 from weightsync.plan.items import CopyItem, LayoutGroup
 from weightsync.plan.types import SourceHolding, TargetRank
 
@@ -244,6 +245,48 @@ def check_source_shapes(
                     f"expected {tuple(expected)} from the model config, actual "
                     f"{tuple(meta.shape)}"
                 )
+    return problems
+
+
+def check_held_boxes(
+    held: Mapping[str, Mapping[tuple[tuple[int, int], ...], Sequence[int]]],
+    users: Mapping[str, str],
+) -> list[str]:
+    """Check that the boxes sources hold of each tensor are pairwise disjoint or equal.
+
+    Every element must have one holder set (the ranks of one box), so that one unit of work
+    serves it: a box that partly overlaps another, or a source holding the whole tensor
+    beside sources holding boxes of it, has none.
+
+    Args:
+        held: ``{hf_name: {box: source ranks}}``, ``()`` for the whole tensor.
+        users: ``{hf_name: description of a rollout parameter built from it}``.
+
+    Returns:
+        One sentence per tensor whose boxes overlap.
+    """
+    problems: list[str] = []
+    for name, by_box in sorted(held.items()):
+        if len(by_box) < 2:
+            continue
+        used = f" (used by {users[name]})" if name in users else ""
+        if () in by_box:
+            partial = sorted(box for box in by_box if box)
+            problems.append(
+                f"HF tensor {name!r}{used}: source ranks {list(by_box[()])} hold all of it while "
+                f"ranks {sorted(r for box in partial for r in by_box[box])} hold boxes "
+                f"{partial} of it; expected every source to hold it whole or all to hold "
+                "disjoint (or equal) boxes"
+            )
+            continue
+        overlap = disjoint_or_equal(list(by_box))
+        if overlap is not None:
+            a, b = overlap
+            problems.append(
+                f"HF tensor {name!r}{used}: source ranks {list(by_box[a])} hold box {a} and "
+                f"ranks {list(by_box[b])} hold box {b}, which overlap without being equal; "
+                "expected the sources holding an element to hold the same box"
+            )
     return problems
 
 
