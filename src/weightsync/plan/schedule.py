@@ -258,7 +258,7 @@ def plan_schedule(plan: SyncPlan) -> Schedule:
                 items[work.layout_id].extend(work.items)
         transfers = []
         for layout_id, layout_items in items.items():
-            units = tuple(sorted({(item.hf_name or "", layout_id) for item in layout_items}))
+            units = tuple(sorted({(item.hf_name or "", layout_id, ()) for item in layout_items}))
             num_bytes = sum(item.num_bytes for item in layout_items)
             for target in source.targets[layout_id]:
                 transfers.append(

@@ -67,7 +67,8 @@ class TrafficUnit:
     """One HF tensor's writes into every target of one layout.
 
     Attributes:
-        key: ``(hf_name, layout_id)``, as `build_plan` keys its units.
+        key: ``(hf_name, layout_id, ())``, as `build_plan` keys the units of a tensor held
+            whole.
         layer: the decoder layer the tensor belongs to; -1 before the first (embeddings),
             the number of layers after the last (final norm, output layer).
         position: ``(layout_id, parameter index, byte offset)`` of its first run.
@@ -152,7 +153,7 @@ def traffic_units(
             group_bytes += num_bytes
             units.append(
                 TrafficUnit(
-                    key=(name, layout_id),
+                    key=(name, layout_id, ()),
                     layer=-1 if layer is None else layer,
                     position=entry["position"],
                     num_bytes=num_bytes,
