@@ -10,13 +10,17 @@ alone:
 - CPU (Mooncake TCP): every process shares the host, so the host is one node with one NIC
   whose rate is a raw Mooncake TCP write of the sync's bytes between two processes; the
   message latency is a batch of one 4 KiB write, submit to completion; the cost per write is
-  the extra time of a batch of many small writes over that latency and their bytes.
+  the extra time of a batch of many small writes over that latency and their bytes; the
+  senders' staging copy (`NetworkModel.staging_gbps`) runs at an in-process memcpy's rate,
+  since it and TCP share the same two cores.
 - CUDA (``--device cuda``, trainer and replica on one GPU, CUDA IPC): one node, the copy's
   rate is an in-process device copy of the sync's bytes (as NVLink), the cost per write that
-  of many small copies.
+  of many small copies, the staging copy the same device copy.
 
-Prints a table (predicted, measured, error) and one JSON line (``points``, ``fitted``,
-``max_abs_error``).
+The transport is fitted again right after every timed push, so that both see the same load
+on the host; each push is predicted with the constants fitted after it, and the medians are
+compared. Prints a table (predicted, measured, error) and one JSON line (``points``, each
+with its fitted constants, and ``max_abs_error``).
 
     python bench/simulate.py                         # dense-256m; 1x1, 2x1, 2x2, 3x2 on CPU
     python bench/simulate.py --quick                 # tiny, two points
@@ -62,38 +66,63 @@ SMALL_WRITES = 2048  # writes in the per-write fit
 SMALL_WRITE_BYTES = 16 * KIB
 
 
-def fit_host(num_bytes: int, repeats: int) -> dict[str, float]:
-    """Mooncake TCP's rate and per-write cost between two processes on this host."""
-    ceiling = HostCeiling(num_bytes)
-    try:
-        seconds = median([ceiling.mooncake() for _ in range(repeats)])
-        rate = num_bytes / seconds
+class HostFit:
+    """Fits Mooncake TCP between two processes on this host, one round per `measure`."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self._ceiling = HostCeiling(num_bytes)
         # As many small writes as fit the measurement's buffer, at most SMALL_WRITES.
-        count = max(1, min(SMALL_WRITES, ceiling.buffer_bytes // SMALL_WRITE_BYTES))
-        small = median([ceiling.mooncake_writes(count, SMALL_WRITE_BYTES) for _ in range(repeats)])
+        self._count = max(1, min(SMALL_WRITES, self._ceiling.buffer_bytes // SMALL_WRITE_BYTES))
+
+    def measure(self) -> dict[str, float]:
+        """The link's rate, a message's latency and the cost per write, measured now."""
+        rate = self.num_bytes / self._ceiling.mooncake()
+        small = self._ceiling.mooncake_writes(self._count, SMALL_WRITE_BYTES)
         # A batch of one small write: the fixed cost of a message, submit to completion.
-        latency = median([ceiling.mooncake_writes(1, 4 * KIB) for _ in range(repeats)])
-    finally:
-        ceiling.close()
-    write_cost = max(0.0, (small - latency - count * SMALL_WRITE_BYTES / rate) / count)
-    return {"bytes_per_s": rate, "write_cost_s": write_cost, "message_latency_s": latency}
+        latency = self._ceiling.mooncake_writes(1, 4 * KIB)
+        data_s = self._count * SMALL_WRITE_BYTES / rate
+        write_cost = max(0.0, (small - latency - data_s) / self._count)
+        # The sender's staging copy shares the host's cores with TCP: a memcpy of the bytes.
+        staging = self.num_bytes / self._ceiling.memcpy()
+        return {
+            "bytes_per_s": rate,
+            "write_cost_s": write_cost,
+            "message_latency_s": latency,
+            "staging_bytes_per_s": staging,
+        }
+
+    def close(self) -> None:
+        """Stop the peer."""
+        self._ceiling.close()
 
 
-def fit_gpu(num_bytes: int, repeats: int) -> dict[str, float]:
-    """One GPU's device-copy rate and per-copy cost (trainer and replica on GPU 0)."""
-    big = GpuCeiling(num_bytes, gpus=(0, 0), region_bytes=256 * MIB)
-    try:
-        rate = num_bytes / median([big.measure()["peer_copy"] for _ in range(repeats)])
-    finally:
-        big.close()
-    small_bytes = SMALL_WRITES * 64 * KIB
-    small = GpuCeiling(small_bytes, gpus=(0, 0), region_bytes=64 * KIB)
-    try:
-        seconds = median([small.measure()["peer_copy"] for _ in range(repeats)])
-    finally:
-        small.close()
-    write_cost = max(0.0, (seconds - small_bytes / rate) / SMALL_WRITES)
-    return {"bytes_per_s": rate, "write_cost_s": write_cost, "message_latency_s": 0.0}
+class GpuFit:
+    """Fits one GPU's device copy (trainer and replica on GPU 0), one round per `measure`."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self._small_bytes = SMALL_WRITES * 64 * KIB
+        self._big = GpuCeiling(num_bytes, gpus=(0, 0), region_bytes=256 * MIB)
+        self._small = GpuCeiling(self._small_bytes, gpus=(0, 0), region_bytes=64 * KIB)
+
+    def measure(self) -> dict[str, float]:
+        """The copy's rate and the cost per copy, measured now (no message latency)."""
+        rate = self.num_bytes / self._big.measure()["peer_copy"]
+        small = self._small.measure()["peer_copy"]
+        write_cost = max(0.0, (small - self._small_bytes / rate) / SMALL_WRITES)
+        # The sender stages its bytes with a device copy before the IPC copy: the same rate.
+        return {
+            "bytes_per_s": rate,
+            "write_cost_s": write_cost,
+            "message_latency_s": 0.0,
+            "staging_bytes_per_s": rate,
+        }
+
+    def close(self) -> None:
+        """Stop the copy processes."""
+        self._big.close()
+        self._small.close()
 
 
 def network_for(device: str, fitted: dict[str, float], num_endpoints: int) -> NetworkModel:
@@ -104,14 +133,15 @@ def network_for(device: str, fitted: dict[str, float], num_endpoints: int) -> Ne
         "nics_per_node": 1,
         "write_cost_s": fitted["write_cost_s"],
         "message_latency_s": fitted["message_latency_s"],
+        "staging_gbps": fitted["staging_bytes_per_s"] * 8 / 1e9,
     }
     if device == "cuda":
         return NetworkModel(nvlink_gbps=gbps, colocated=True, **common)
     return NetworkModel(nic_gbps=gbps, **common)
 
 
-def predict(config: dict, args: Namespace, replicas: int, tp: int, network: NetworkModel):
-    """The simulated push of the plan the senders execute for this point."""
+def plan_for(config: dict, args: Namespace, replicas: int, tp: int):
+    """The schedule of the plan the senders execute for this point."""
     dtype = canonical_dtype_name(args.dtype)
     plan = build_plan(
         hf_config=config,
@@ -119,18 +149,20 @@ def predict(config: dict, args: Namespace, replicas: int, tp: int, network: Netw
         sources=simulate_sources(config, num_sources=args.trainer_ranks, pp=args.trainer_pp),
         dtype=dtype,
     )
-    schedule = plan_schedule(plan)
-    return schedule, simulate(schedule, network)
+    return plan_schedule(plan)
 
 
 def measure_point(
     config: dict, args: Namespace, replicas: int, tp: int, workdir: Path
 ) -> dict[str, Any]:
-    """Start one point's replicas and trainer ranks, time the pushes, stop everything."""
+    """Start one point's replicas and trainer ranks; per repeat, time a push and fit the
+    transport right after it (the same load on the host for both); stop everything."""
     point = Namespace(**{**vars(args), "replicas": replicas, "rollout_tp": tp, "rollout_ep": 1})
     api_key = secrets.token_hex(8)
     model_dir = write_config(config, workdir / "model")
+    schedule = plan_for(config, args, replicas, tp)
     running = launch(point, model_dir, api_key, workdir / "logs")
+    fitter: HostFit | GpuFit | None = None
     try:
         spec = TrainerSpec(
             config=config,
@@ -150,16 +182,38 @@ def measure_point(
         )
         with SyncTrainers(spec) as trainers:
             warmup = trainers.run(METHOD)["report"]
-            reports = [trainers.run(METHOD)["report"] for _ in range(args.repeats)]
+            if schedule.num_bytes != warmup["bytes"]:
+                raise RuntimeError(
+                    f"the plan moves {schedule.num_bytes} B, the sync {warmup['bytes']} B"
+                )
+            fitter = (HostFit if args.device == "cpu" else GpuFit)(warmup["bytes"])
+            fitter.measure()  # untimed: connections and pages set up
+            pushes, fits, predictions = [], [], []
+            for _ in range(args.repeats):
+                pushes.append(trainers.run(METHOD)["report"]["phases"]["push"])
+                fitted = fitter.measure()
+                network = network_for(args.device, fitted, replicas * tp + args.trainer_ranks)
+                fits.append(fitted)
+                predictions.append(simulate(schedule, network).makespan_s)
     finally:
+        if fitter is not None:
+            fitter.close()
         for replica in running:
             replica.stop()
     return {
         "bytes": warmup["bytes"],
-        "num_writes": warmup["num_writes"],
-        "push_s": median([r["phases"]["push"] for r in reports]),
-        "sync_s": median([r["seconds"] for r in reports]),
-        "push_runs_s": [r["phases"]["push"] for r in reports],
+        "plan_writes": sum(t.num_writes for t in schedule.transfers()),
+        "measured_writes": warmup["num_writes"],
+        "predicted_s": median(predictions),
+        "measured_push_s": median(pushes),
+        "error": median(predictions) / median(pushes) - 1,
+        "paired_errors": [p / m - 1 for p, m in zip(predictions, pushes, strict=True)],
+        "link_gbps": median([f["bytes_per_s"] for f in fits]) * 8 / 1e9,
+        "write_cost_us": median([f["write_cost_s"] for f in fits]) * 1e6,
+        "message_latency_us": median([f["message_latency_s"] for f in fits]) * 1e6,
+        "staging_gbps": median([f["staging_bytes_per_s"] for f in fits]) * 8 / 1e9,
+        "predicted_runs_s": predictions,
+        "push_runs_s": pushes,
     }
 
 
@@ -178,7 +232,7 @@ def parse_args(argv: list[str] | None) -> Namespace:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--num-workers", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="tiny model, two points, one repeat")
@@ -217,32 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         for replicas, tp in args.parsed_points:
             log(f"{replicas} replica(s) x tp{tp}: measuring")
             measured = measure_point(config, args, replicas, tp, root / f"r{replicas}tp{tp}")
-            log(f"  push {measured['push_s']:.3f} s; fitting the transport over the same bytes")
-            fit = fit_host if args.device == "cpu" else fit_gpu
-            fitted = fit(measured["bytes"], max(args.repeats, 3))
-            network = network_for(args.device, fitted, replicas * tp + args.trainer_ranks)
-            schedule, result = predict(config, args, replicas, tp, network)
-            if schedule.num_bytes != measured["bytes"]:
-                raise RuntimeError(
-                    f"the plan moves {schedule.num_bytes} B, the sync {measured['bytes']} B"
-                )
-            points.append(
-                {
-                    "replicas": replicas,
-                    "rollout_tp": tp,
-                    "bytes": measured["bytes"],
-                    "predicted_s": result.makespan_s,
-                    "measured_push_s": measured["push_s"],
-                    "measured_sync_s": measured["sync_s"],
-                    "error": result.makespan_s / measured["push_s"] - 1,
-                    "plan_writes": sum(t.num_writes for t in schedule.transfers()),
-                    "measured_writes": measured["num_writes"],
-                    "link_gbps": fitted["bytes_per_s"] * 8 / 1e9,
-                    "write_cost_us": fitted["write_cost_s"] * 1e6,
-                    "message_latency_us": fitted["message_latency_s"] * 1e6,
-                    "push_runs_s": measured["push_runs_s"],
-                }
+            log(
+                f"  push {measured['measured_push_s']:.3f} s, "
+                f"predicted {measured['predicted_s']:.3f} s"
             )
+            points.append({"replicas": replicas, "rollout_tp": tp, **measured})
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(

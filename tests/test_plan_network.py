@@ -46,6 +46,9 @@ def test_ports_nic_sharing_and_nvlink() -> None:
     assert colocated.capacity(("nvtx", "t0", 3)) == colocated.nvlink_bytes_per_s
     assert network.capacity(("tx", "t0", 0)) == 400e9 / 8
     assert network.setup_s(3) == pytest.approx(10e-6 + 3 * 2e-6)
+    assert network.setup_s(3, 10**9) == network.setup_s(3)
+    staging = NetworkModel(staging_gbps=8.0, write_cost_s=0.0, message_latency_s=0.0)
+    assert staging.setup_s(1, 10**9) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +58,7 @@ def test_ports_nic_sharing_and_nvlink() -> None:
         ({"nics_per_node": 3}, "nics_per_node=3 must divide gpus_per_node=8"),
         ({"gpus_per_node": 0}, "gpus_per_node must be an int >= 1"),
         ({"write_cost_s": -1.0}, "write_cost_s must be >= 0"),
+        ({"staging_gbps": 0.0}, "staging_gbps must be > 0"),
     ],
 )
 def test_network_model_refuses_bad_constants(kwargs, message) -> None:

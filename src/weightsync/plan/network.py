@@ -9,9 +9,10 @@ GPUs several senders (or receivers) share one. A NIC sends and receives at once 
 duplex), so each NIC is two ports, one per direction. Two GPUs of one node talk over NVLink,
 a port per GPU and direction at `nvlink_gbps`.
 
-A transfer (one source writing a group of runs into one target) first pays
-``message_latency_s + num_writes * write_cost_s`` during which its ports carry no bytes, then
-moves its bytes at the rate the simulator gives it (`weightsync.plan.simulator`).
+A transfer (one source writing a group of runs into one target) first pays its fixed cost,
+``message_latency_s + num_writes * write_cost_s`` (plus, where `staging_gbps` is set, the
+source's copy of its bytes into its send buffer), during which its ports carry no bytes,
+then moves its bytes at the rate the simulator gives it (`weightsync.plan.simulator`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class NetworkModel:
         message_latency_s: fixed cost of one transfer to one target, before its first byte.
         colocated: rollout GPU ``k`` shares node ``k // gpus_per_node`` and its NICs with
             trainer GPU ``k`` (same-node transfers then go over NVLink).
+        staging_gbps: the rate at which a source copies (and casts) a transfer's bytes into
+            its send buffer before they leave, not overlapped with the network; None where
+            that copy hides behind the network (GPUs, whose memory is far faster than
+            their NICs). Hosts whose CPUs both copy and drive TCP set it.
 
     Raises:
         ValueError: a rate or count that is not positive, a negative cost, or a NIC count
@@ -49,6 +54,7 @@ class NetworkModel:
     write_cost_s: float = 2e-6
     message_latency_s: float = 10e-6
     colocated: bool = False
+    staging_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("nic_gbps", "nvlink_gbps"):
@@ -63,6 +69,8 @@ class NetworkModel:
                 f"NetworkModel.nics_per_node={self.nics_per_node} must divide "
                 f"gpus_per_node={self.gpus_per_node} (GPUs share NICs evenly)"
             )
+        if self.staging_gbps is not None and not self.staging_gbps > 0:
+            raise ValueError(f"NetworkModel.staging_gbps must be > 0, got {self.staging_gbps}")
         for name in ("write_cost_s", "message_latency_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"NetworkModel.{name} must be >= 0, got {getattr(self, name)}")
@@ -77,9 +85,10 @@ class NetworkModel:
         """One GPU's NVLink rate per direction in bytes/s."""
         return self.nvlink_gbps * 1e9 / 8
 
-    def setup_s(self, num_writes: int) -> float:
-        """Fixed time of one transfer of `num_writes` writes, before its bytes move."""
-        return self.message_latency_s + num_writes * self.write_cost_s
+    def setup_s(self, num_writes: int, num_bytes: int = 0) -> float:
+        """Time of one transfer of `num_writes` writes and `num_bytes` before its bytes move."""
+        staging = num_bytes * 8 / (self.staging_gbps * 1e9) if self.staging_gbps else 0.0
+        return self.message_latency_s + num_writes * self.write_cost_s + staging
 
     def trainer_node(self, gpu: int) -> str:
         """The node trainer GPU `gpu` sits on."""

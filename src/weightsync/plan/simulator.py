@@ -1,9 +1,10 @@
 """A discrete-event simulation of a schedule on a network model, and its lower bound.
 
 Each source sends its transfers one after another, in the schedule's order. A transfer
-first spends its fixed cost (`NetworkModel.setup_s`: latency plus a cost per write) with
-no bytes on the wire, then moves its bytes. While bytes move, a port shared by ``n`` flows
-gives each ``1 / n`` of its rate, and a flow runs at the smaller of its two ports' shares;
+first spends its fixed cost (`NetworkModel.setup_s`: latency, a cost per write and, where
+the model says so, the source's staging copy) with no bytes on the wire, then moves its
+bytes. While bytes move, a port shared by ``n`` flows gives each ``1 / n`` of its rate, and
+a flow runs at the smaller of its two ports' shares;
 rates change only when a flow starts or ends moving bytes, and only for the flows sharing a
 port with it. A share one flow cannot use is not handed to the others, so the simulation
 errs on the slow side, never below `lower_bound_s`.
@@ -142,7 +143,7 @@ class Engine:
                 None,
                 ports,
             ]
-            push(now + network.setup_s(transfer.num_writes), flow_id, -1)
+            push(now + network.setup_s(transfer.num_writes, transfer.num_bytes), flow_id, -1)
 
         def rerate(ports: Sequence[Port], now: float) -> None:
             for flow_id in sorted({f for port in ports for f in on_port[port]}):
@@ -214,7 +215,7 @@ def lower_bound_s(schedule: Schedule, network: NetworkModel) -> float:
         source_s = 0.0
         for transfer in queue:
             send, receive = network.route(transfer.source, transfer.target)
-            setup = network.setup_s(transfer.num_writes)
+            setup = network.setup_s(transfer.num_writes, transfer.num_bytes)
             source_s += setup + transfer.num_bytes / network.capacity(send)
             for port in (send, receive):
                 port_bytes[port] += transfer.num_bytes
