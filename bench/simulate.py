@@ -30,6 +30,7 @@ with its fitted constants, and ``max_abs_error``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import secrets
@@ -188,13 +189,15 @@ def measure_point(
                 )
             fitter = (HostFit if args.device == "cpu" else GpuFit)(warmup["bytes"])
             fitter.measure()  # untimed: connections and pages set up
-            pushes, fits, predictions = [], [], []
+            pushes, fits, predictions, network_only = [], [], [], []
             for _ in range(args.repeats):
                 pushes.append(trainers.run(METHOD)["report"]["phases"]["push"])
                 fitted = fitter.measure()
                 network = network_for(args.device, fitted, replicas * tp + args.trainer_ranks)
                 fits.append(fitted)
                 predictions.append(simulate(schedule, network).makespan_s)
+                bare = dataclasses.replace(network, staging_gbps=None)
+                network_only.append(simulate(schedule, bare).makespan_s)
     finally:
         if fitter is not None:
             fitter.close()
@@ -213,6 +216,8 @@ def measure_point(
         "message_latency_us": median([f["message_latency_s"] for f in fits]) * 1e6,
         "staging_gbps": median([f["staging_bytes_per_s"] for f in fits]) * 8 / 1e9,
         "predicted_runs_s": predictions,
+        "network_only_s": median(network_only),
+        "network_only_error": median(network_only) / median(pushes) - 1,
         "push_runs_s": pushes,
     }
 
@@ -282,7 +287,17 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{args.preset}, {args.trainer_ranks} trainer rank(s) pp{args.trainer_pp}, {args.device} "
         f"({args.transport}), {METHOD}, median of {args.repeats}"
     )
-    header = ("point", "MB", "writes", "link Gb/s", "us/write", "predicted", "measured", "error")
+    header = (
+        "point",
+        "MB",
+        "writes",
+        "link Gb/s",
+        "us/write",
+        "no staging",
+        "predicted",
+        "measured",
+        "error",
+    )
     print(" | ".join(f"{h:>10}" for h in header))
     for p in points:
         row = (
@@ -291,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{p['plan_writes']}/{p['measured_writes']}",
             f"{p['link_gbps']:.2f}",
             f"{p['write_cost_us']:.1f}",
+            f"{p['network_only_s']:.3f} s",
             f"{p['predicted_s']:.3f} s",
             f"{p['measured_push_s']:.3f} s",
             f"{p['error']:+.1%}",
