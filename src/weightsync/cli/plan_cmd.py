@@ -176,6 +176,9 @@ def plan(
         )
     except LayoutMismatchError as exc:
         _exit_with(f"error: the plan does not validate: {exc}", 1)
+    except ValueError as exc:
+        # A layout build_plan cannot plan yet (DeepSeek's float32 router bias beside bf16).
+        _exit_with(f"error: the plan cannot be built: {exc}; --simulate plans it", 1)
     summary = {
         "model_config": model_config,
         "model_type": config["model_type"],
