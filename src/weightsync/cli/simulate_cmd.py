@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ def run_simulation(
     Raises:
         SimulateOptionError: a value that cannot work, naming its option.
     """
+    if options.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        # Before minutes of planning, not after.
+        raise SimulateOptionError("--plot", "needs matplotlib: pip install 'weightsync[plot]'")
     cluster = _resolve(config, options)
     try:
         network = NetworkModel(
