@@ -8,7 +8,8 @@ simulated on a `NetworkModel` whose constants are fitted, in this run, from the 
 alone:
 
 - CPU (Mooncake TCP): every process shares the host, so the host is one node with one NIC
-  whose rate is a raw Mooncake TCP write of the sync's bytes between two processes; the
+  whose rate is what one raw Mooncake TCP writer per trainer rank, each writing the sync's
+  bytes into its own peer process, move together (`HostFit`); the
   message latency is a batch of one 4 KiB write, submit to completion; the cost per write is
   the extra time of a batch of many small writes over that latency and their bytes; the
   senders' staging copy (`NetworkModel.staging_gbps`) runs at an in-process memcpy's rate,
@@ -37,6 +38,8 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -68,43 +71,62 @@ SMALL_WRITE_BYTES = 16 * KIB
 
 
 class HostFit:
-    """Fits Mooncake TCP between two processes on this host, one round per `measure`."""
+    """Fits Mooncake TCP on this host, one round per `measure`.
 
-    def __init__(self, num_bytes: int) -> None:
+    The rate is what `streams` raw writers (one per trainer rank, each to its own peer
+    process) move together: the senders of a sync write at once, and on a host of few cores
+    concurrent streams get more of it than one (measured: ~1.4x for two on two cores).
+    """
+
+    def __init__(self, num_bytes: int, streams: int) -> None:
         self.num_bytes = num_bytes
-        self._ceiling = HostCeiling(num_bytes)
+        self._ceilings = [HostCeiling(num_bytes) for _ in range(max(1, streams))]
         # As many small writes as fit the measurement's buffer, at most SMALL_WRITES.
-        self._count = max(1, min(SMALL_WRITES, self._ceiling.buffer_bytes // SMALL_WRITE_BYTES))
+        buffer_bytes = self._ceilings[0].buffer_bytes
+        self._count = max(1, min(SMALL_WRITES, buffer_bytes // SMALL_WRITE_BYTES))
+
+    def _together(self) -> float:
+        """Seconds for every stream to write `num_bytes` at once."""
+        threads = [threading.Thread(target=c.mooncake) for c in self._ceilings]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - start
 
     def measure(self) -> dict[str, float]:
         """The link's rate, a message's latency and the cost per write, measured now."""
+        ceiling = self._ceilings[0]
         # Medians of three: the host is shared, one reading can catch a burst of load.
-        rate = self.num_bytes / median([self._ceiling.mooncake() for _ in range(3)])
-        small = median(
-            [self._ceiling.mooncake_writes(self._count, SMALL_WRITE_BYTES) for _ in range(3)]
-        )
+        total = self.num_bytes * len(self._ceilings)
+        rate = total / median([self._together() for _ in range(3)])
+        single = self.num_bytes / median([ceiling.mooncake() for _ in range(3)])
+        small = median([ceiling.mooncake_writes(self._count, SMALL_WRITE_BYTES) for _ in range(3)])
         # A batch of one small write: the fixed cost of a message, submit to completion.
-        latency = median([self._ceiling.mooncake_writes(1, 4 * KIB) for _ in range(3)])
-        data_s = self._count * SMALL_WRITE_BYTES / rate
+        latency = median([ceiling.mooncake_writes(1, 4 * KIB) for _ in range(3)])
+        data_s = self._count * SMALL_WRITE_BYTES / single
         write_cost = max(0.0, (small - latency - data_s) / self._count)
         # The sender's staging copy shares the host's cores with TCP: a memcpy of the bytes.
-        staging = self.num_bytes / median([self._ceiling.memcpy() for _ in range(3)])
+        staging = self.num_bytes / median([ceiling.memcpy() for _ in range(3)])
         return {
             "bytes_per_s": rate,
+            "single_stream_bytes_per_s": single,
             "write_cost_s": write_cost,
             "message_latency_s": latency,
             "staging_bytes_per_s": staging,
         }
 
     def close(self) -> None:
-        """Stop the peer."""
-        self._ceiling.close()
+        """Stop the peers."""
+        for ceiling in self._ceilings:
+            ceiling.close()
 
 
 class GpuFit:
     """Fits one GPU's device copy (trainer and replica on GPU 0), one round per `measure`."""
 
-    def __init__(self, num_bytes: int) -> None:
+    def __init__(self, num_bytes: int, streams: int = 1) -> None:
         self.num_bytes = num_bytes
         self._small_bytes = SMALL_WRITES * 64 * KIB
         self._big = GpuCeiling(num_bytes, gpus=(0, 0), region_bytes=256 * MIB)
@@ -190,7 +212,9 @@ def measure_point(
                 raise RuntimeError(
                     f"the plan moves {schedule.num_bytes} B, the sync {warmup['bytes']} B"
                 )
-            fitter = (HostFit if args.device == "cpu" else GpuFit)(warmup["bytes"])
+            fitter = (HostFit if args.device == "cpu" else GpuFit)(
+                warmup["bytes"], args.trainer_ranks
+            )
             fitter.measure()  # untimed: connections and pages set up
             pushes, fits, predictions, network_only = [], [], [], []
             for _ in range(args.repeats):
@@ -215,6 +239,11 @@ def measure_point(
         "error": median(predictions) / median(pushes) - 1,
         "paired_errors": [p / m - 1 for p, m in zip(predictions, pushes, strict=True)],
         "link_gbps": median([f["bytes_per_s"] for f in fits]) * 8 / 1e9,
+        "single_stream_gbps": median(
+            [f.get("single_stream_bytes_per_s", f["bytes_per_s"]) for f in fits]
+        )
+        * 8
+        / 1e9,
         "write_cost_us": median([f["write_cost_s"] for f in fits]) * 1e6,
         "message_latency_us": median([f["message_latency_s"] for f in fits]) * 1e6,
         "staging_gbps": median([f["staging_bytes_per_s"] for f in fits]) * 8 / 1e9,
