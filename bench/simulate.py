@@ -8,8 +8,8 @@ simulated on a `NetworkModel` whose constants are fitted, in this run, from the 
 alone:
 
 - CPU (Mooncake TCP): every process shares the host, so the host is one node with one NIC
-  whose rate is what one raw Mooncake TCP writer per trainer rank, each writing the sync's
-  bytes into its own peer process, move together (`HostFit`); the
+  whose rate is what ``min(trainer ranks, receiving ranks)`` raw Mooncake TCP writers, each
+  writing the sync's bytes into its own peer process, move together (`HostFit`); the
   message latency is a batch of one 4 KiB write, submit to completion; the cost per write is
   the extra time of a batch of many small writes over that latency and their bytes; the
   senders' staging copy (`NetworkModel.staging_gbps`) runs at an in-process memcpy's rate,
@@ -73,9 +73,10 @@ SMALL_WRITE_BYTES = 16 * KIB
 class HostFit:
     """Fits Mooncake TCP on this host, one round per `measure`.
 
-    The rate is what `streams` raw writers (one per trainer rank, each to its own peer
-    process) move together: the senders of a sync write at once, and on a host of few cores
-    concurrent streams get more of it than one (measured: ~1.4x for two on two cores).
+    The rate is what `streams` raw writers, each to its own peer process, move together: the
+    senders of a sync write at once, and on a host of few cores concurrent streams get more
+    of it than one (measured: ~1.4x for two on two cores). A sync runs at most
+    ``min(senders, receivers)`` such pairs at once.
     """
 
     def __init__(self, num_bytes: int, streams: int) -> None:
@@ -212,9 +213,9 @@ def measure_point(
                 raise RuntimeError(
                     f"the plan moves {schedule.num_bytes} B, the sync {warmup['bytes']} B"
                 )
-            fitter = (HostFit if args.device == "cpu" else GpuFit)(
-                warmup["bytes"], args.trainer_ranks
-            )
+            # As many streams as pairs of sending and receiving processes can run at once.
+            streams = min(args.trainer_ranks, replicas * tp)
+            fitter = (HostFit if args.device == "cpu" else GpuFit)(warmup["bytes"], streams)
             fitter.measure()  # untimed: connections and pages set up
             pushes, fits, predictions, network_only = [], [], [], []
             for _ in range(args.repeats):
