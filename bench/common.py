@@ -187,6 +187,19 @@ class HostCeiling:
         self._transport.wait(self._transport.write(self._session, src, dst, lengths), _TIMEOUT_S)
         return time.perf_counter() - start
 
+    def mooncake_writes(self, count: int, length: int) -> float:
+        """Seconds of one raw Mooncake TCP batch of `count` writes of `length` bytes each."""
+        if count * length > self.buffer_bytes:
+            raise ValueError(f"{count} writes of {length} B do not fit {self.buffer_bytes} B")
+        offsets = [k * length for k in range(count)]
+        src = [self._source.ctypes.data + o for o in offsets]
+        dst = [self._peer_addr + o for o in offsets]
+        start = time.perf_counter()
+        self._transport.wait(
+            self._transport.write(self._session, src, dst, [length] * count), _TIMEOUT_S
+        )
+        return time.perf_counter() - start
+
     def memcpy(self) -> float:
         """Seconds to copy `num_bytes` in this process."""
         regions = self._regions()

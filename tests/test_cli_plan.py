@@ -163,3 +163,109 @@ def test_config_from_a_checkpoint_folder_and_unsupported_models(tmp_path: Path) 
     result = CliRunner().invoke(app, ["plan", "--model-config", str(tmp_path)])
     assert result.exit_code == 2
     assert "error: --model-config: unsupported model_type 'gpt2'" in result.stderr
+
+
+# --- --simulate ----------------------------------------------------------------------------
+
+_SMALL_CLUSTER = [
+    "--simulate",
+    "--preset",
+    "qwen3-30b-a3b",
+    "--trainer-gpus",
+    "32",
+    "--trainer-tp",
+    "4",
+    "--rollout-gpus",
+    "16",
+    "--rollout-tp",
+    "4",
+    "--nic-gbps",
+    "200",
+]
+
+
+def test_simulate_json_predicts_the_data_phase() -> None:
+    result = _run(*_SMALL_CLUSTER, "--json")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert summary["trainer"] == {"gpus": 32, "tp": 4, "ep": 1, "pp": 4, "dp": 2}
+    assert summary["rollout"] == {"gpus": 16, "replicas": 4, "tp": 4, "ep": 4}
+    assert summary["network"]["nic_gbps"] == 200.0
+    assert summary["fp8"] is False
+    # Each rollout GPU receives a quarter of the bf16 model through one 25 GB/s NIC.
+    config = json.loads((TINY_QWEN3.parent / "qwen3-30b-a3b.json").read_text())
+    quarter = sum(
+        p.num_bytes
+        for p in rank_layout(config, ParallelismConfig(tp_size=4, tp_rank=0, ep_size=4)).values()
+    )
+    assert summary["ideal_lower_bound_s"] == pytest.approx(quarter / 25e9, rel=0.02)
+    assert summary["bytes"] == pytest.approx(4 * 4 * quarter, rel=0.02)
+    assert summary["lower_bound_s"] >= summary["ideal_lower_bound_s"]
+    assert summary["makespan_s"] >= summary["lower_bound_s"]
+    assert summary["ratio"] == pytest.approx(summary["makespan_s"] / summary["lower_bound_s"])
+    assert summary["ratio"] < 1.3
+    assert summary["round_robin_s"] > summary["makespan_s"]
+    assert summary["broadcast_s"] > summary["makespan_s"]
+    assert all(p["busy_s"] <= summary["makespan_s"] for p in summary["busiest_ports"])
+    assert len(summary["busiest_ports"]) == 5
+
+
+def test_simulate_table_names_the_plans() -> None:
+    result = CliRunner().invoke(app, ["plan", *_SMALL_CLUSTER, "--fp8"])
+    assert result.exit_code == 0, result.output
+    for text in (
+        "qwen3-30b-a3b (FP8): 32 trainer GPUs (tp 4 ep 1 pp 4 dp 2) -> 4 x tp 4 ep 4",
+        "network schedule",
+        "round robin (Miles-style)",
+        "broadcast (full tensors)",
+        "Busiest ports",
+        "no schedule beats",
+    ):
+        assert text in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--simulate"], "error: --model-config: give a config (--model-config) or a --preset"),
+        (["--simulate", "--preset", "gpt-5"], "error: --preset: unknown preset 'gpt-5'; use one"),
+        (
+            ["--simulate", "--preset", "dense-70b", "--trainer-gpus", "100"],
+            "error: --trainer-gpus: 100 is not a multiple of --trainer-tp x --trainer-ep = 8",
+        ),
+        (
+            ["--simulate", "--preset", "dense-70b", "--rollout-gpus", "12"],
+            "error: --rollout-tp: 8 does not divide --rollout-gpus 12",
+        ),
+        (
+            ["--simulate", "--preset", "dense-70b", "--replicas", "3"],
+            "error: --replicas: 3 replicas of tp 8 are not --rollout-gpus 128; pass "
+            "--rollout-gpus 24",
+        ),
+        (
+            ["--simulate", "--preset", "dense-70b", "--trainer-pp", "3"],
+            "error: --trainer-pp: 3 stages must be between 1 and the model's 80 layers",
+        ),
+        (
+            ["--simulate", "--preset", "dense-70b", "--nics-per-node", "3"],
+            "error: --nics-per-node: NetworkModel.nics_per_node=3 must divide gpus_per_node=8",
+        ),
+        (["--model-config", "tiny-qwen3", "--plot", "x.png"], "error: --plot: draws a --simulate"),
+    ],
+)
+def test_simulate_bad_input_is_one_line_exit_code_two(args, expected) -> None:
+    result = CliRunner().invoke(app, ["plan", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().startswith(expected), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_simulate_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (weightsync[plot])")
+    path = tmp_path / "timeline.png"
+    result = CliRunner().invoke(app, ["plan", *_SMALL_CLUSTER, "--plot", str(path)])
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"timeline written to {path}" in result.output.replace("\n", "")

@@ -1,0 +1,327 @@
+"""`weightsync plan --simulate`: predict a sync's data phase on a cluster we do not have."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from weightsync.layout import normalize_hf_config
+from weightsync.layout.families import family_for
+from weightsync.plan.cluster import TrainerShape
+from weightsync.plan.network import NetworkModel, Port
+from weightsync.plan.predict import SyncPrediction, is_fp8_config, predict_sync
+
+PRESETS: tuple[str, ...] = (
+    "kimi-k2",
+    "deepseek-v3",
+    "qwen3-235b-a22b",
+    "qwen3-30b-a3b",
+    "dense-70b",
+)
+DEFAULT_ROLLOUT_TP = 8
+DEFAULT_TRAINER_PP = 4
+
+
+class SimulateOptionError(Exception):
+    """A command-line value that cannot work; `option` names it."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulateOptions:
+    """The cluster as given on the command line (None: the default rule applies).
+
+    Attributes:
+        trainer_gpus, trainer_tp, trainer_ep: the trainer's GPUs and model-parallel sizes.
+        trainer_pp, trainer_dp: pipeline stages and data-parallel copies, or None.
+        rollout_gpus: rollout GPUs.
+        rollout_tp, rollout_ep, replicas: each replica's sizes and their number, or None.
+        nic_gbps, gpus_per_node, nics_per_node: the network.
+        fp8: FP8 rollout bytes; None: as the config ships.
+        num_windows: the schedule's layer windows.
+        plot: where to write the timeline PNG, or None.
+    """
+
+    trainer_gpus: int
+    trainer_tp: int
+    trainer_ep: int
+    trainer_pp: int | None
+    trainer_dp: int | None
+    rollout_gpus: int
+    rollout_tp: int | None
+    rollout_ep: int | None
+    replicas: int | None
+    nic_gbps: float
+    gpus_per_node: int
+    nics_per_node: int
+    fp8: bool | None
+    num_windows: int
+    plot: Path | None
+
+
+def run_simulation(
+    config: dict[str, Any], options: SimulateOptions, *, label: str, as_json: bool
+) -> None:
+    """Resolve the cluster, predict the sync and print it (a table, or one JSON object).
+
+    Raises:
+        SimulateOptionError: a value that cannot work, naming its option.
+    """
+    if options.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        # Before minutes of planning, not after.
+        raise SimulateOptionError("--plot", "needs matplotlib: pip install 'weightsync[plot]'")
+    cluster = _resolve(config, options)
+    try:
+        network = NetworkModel(
+            nic_gbps=options.nic_gbps,
+            gpus_per_node=options.gpus_per_node,
+            nics_per_node=options.nics_per_node,
+        )
+    except ValueError as exc:
+        raise SimulateOptionError("--nics-per-node", f"{exc}") from exc
+    try:
+        prediction = predict_sync(
+            config,
+            trainer=cluster["trainer"],
+            rollout_tp=cluster["rollout_tp"],
+            rollout_ep=cluster["rollout_ep"],
+            replicas=cluster["replicas"],
+            network=network,
+            fp8=cluster["fp8"],
+            num_windows=options.num_windows,
+        )
+    except ValueError as exc:
+        raise SimulateOptionError("--rollout-tp/--rollout-ep", f"{exc}") from exc
+    summary = _summary(config, label, cluster, network, prediction)
+    if options.plot is not None:
+        from weightsync.cli.timeline import write_timeline
+
+        write_timeline(prediction, options.plot, title=_title(summary))
+        summary["plot"] = str(options.plot)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        _print(summary)
+
+
+def _resolve(config: dict[str, Any], o: SimulateOptions) -> dict[str, Any]:
+    for option, value in (
+        ("--trainer-gpus", o.trainer_gpus),
+        ("--trainer-tp", o.trainer_tp),
+        ("--trainer-ep", o.trainer_ep),
+        ("--rollout-gpus", o.rollout_gpus),
+        ("--windows", o.num_windows),
+    ):
+        if value < 1:
+            raise SimulateOptionError(option, f"must be at least 1, got {value}")
+    if not o.nic_gbps > 0:
+        raise SimulateOptionError("--nic-gbps", f"must be > 0, got {o.nic_gbps}")
+    try:
+        dims = normalize_hf_config(config)
+        moe = family_for(config["model_type"]).moe
+    except ValueError as exc:
+        raise SimulateOptionError("--model-config", f"{exc}") from exc
+    for option, given in (
+        ("--rollout-tp", o.rollout_tp),
+        ("--rollout-ep", o.rollout_ep),
+        ("--replicas", o.replicas),
+        ("--trainer-pp", o.trainer_pp),
+        ("--trainer-dp", o.trainer_dp),
+    ):
+        if given is not None and given < 1:
+            raise SimulateOptionError(option, f"must be at least 1, got {given}")
+    rollout_tp = o.rollout_tp or min(DEFAULT_ROLLOUT_TP, o.rollout_gpus)
+    if o.rollout_gpus % rollout_tp:
+        raise SimulateOptionError(
+            "--rollout-tp", f"{rollout_tp} does not divide --rollout-gpus {o.rollout_gpus}"
+        )
+    replicas = o.rollout_gpus // rollout_tp
+    if o.replicas is not None and o.replicas != replicas:
+        raise SimulateOptionError(
+            "--replicas",
+            f"{o.replicas} replicas of tp {rollout_tp} are not --rollout-gpus {o.rollout_gpus}; "
+            f"pass --rollout-gpus {o.replicas * rollout_tp}",
+        )
+    heads = dims["num_attention_heads"]
+    if heads % rollout_tp:
+        raise SimulateOptionError(
+            "--rollout-tp", f"{rollout_tp} does not divide the model's num_attention_heads={heads}"
+        )
+    rollout_ep = o.rollout_ep or (rollout_tp if moe else 1)
+    if rollout_tp % rollout_ep:
+        raise SimulateOptionError(
+            "--rollout-ep", f"{rollout_ep} must divide --rollout-tp {rollout_tp}"
+        )
+    mp = o.trainer_tp * o.trainer_ep
+    if o.trainer_gpus % mp:
+        raise SimulateOptionError(
+            "--trainer-gpus",
+            f"{o.trainer_gpus} is not a multiple of --trainer-tp x --trainer-ep = {mp}",
+        )
+    groups = o.trainer_gpus // mp
+    layers = dims["num_hidden_layers"]
+    pp = o.trainer_pp
+    if pp is None and o.trainer_dp is not None:
+        if groups % o.trainer_dp:
+            raise SimulateOptionError(
+                "--trainer-dp", f"{o.trainer_dp} does not divide the {groups} model-parallel groups"
+            )
+        pp = groups // o.trainer_dp
+    if pp is None:
+        pp = next(p for p in (DEFAULT_TRAINER_PP, 2, 1) if groups % p == 0 and p <= layers)
+    if pp < 1 or pp > layers or groups % pp:
+        raise SimulateOptionError(
+            "--trainer-pp",
+            f"{pp} stages must be between 1 and the model's {layers} layers and divide the "
+            f"{groups} model-parallel groups of --trainer-gpus {o.trainer_gpus}",
+        )
+    trainer = TrainerShape(num_gpus=o.trainer_gpus, tp=o.trainer_tp, ep=o.trainer_ep, pp=pp)
+    if o.trainer_dp is not None and trainer.dp != o.trainer_dp:
+        raise SimulateOptionError(
+            "--trainer-dp",
+            f"{o.trainer_dp} copies x pp {pp} x tp {o.trainer_tp} x ep {o.trainer_ep} is not "
+            f"--trainer-gpus {o.trainer_gpus}",
+        )
+    return {
+        "trainer": trainer,
+        "rollout_tp": rollout_tp,
+        "rollout_ep": rollout_ep,
+        "replicas": replicas,
+        "fp8": is_fp8_config(config) if o.fp8 is None else o.fp8,
+    }
+
+
+def _port_name(port: Port) -> str:
+    kind, node, index = port
+    side = "send" if kind.endswith("tx") else "recv"
+    link = "nvlink gpu" if kind.startswith("nv") else "nic"
+    return f"{node} {link} {index} {side}"
+
+
+def _summary(
+    config: dict[str, Any],
+    label: str,
+    cluster: dict[str, Any],
+    network: NetworkModel,
+    prediction: SyncPrediction,
+) -> dict[str, Any]:
+    trainer: TrainerShape = cluster["trainer"]
+    result, round_robin = prediction.result, prediction.round_robin
+    makespan = result.makespan_s
+    return {
+        "model_config": label,
+        "model_type": config["model_type"],
+        "fp8": cluster["fp8"],
+        "trainer": {
+            "gpus": trainer.num_gpus,
+            "tp": trainer.tp,
+            "ep": trainer.ep,
+            "pp": trainer.pp,
+            "dp": trainer.dp,
+        },
+        "rollout": {
+            "gpus": cluster["replicas"] * cluster["rollout_tp"],
+            "replicas": cluster["replicas"],
+            "tp": cluster["rollout_tp"],
+            "ep": cluster["rollout_ep"],
+        },
+        "network": {
+            "nic_gbps": network.nic_gbps,
+            "gpus_per_node": network.gpus_per_node,
+            "nics_per_node": network.nics_per_node,
+            "write_cost_s": network.write_cost_s,
+            "message_latency_s": network.message_latency_s,
+        },
+        "bytes": prediction.num_bytes,
+        "num_transfers": prediction.schedule.num_transfers,
+        "makespan_s": makespan,
+        "lower_bound_s": prediction.lower_bound_s,
+        "ideal_lower_bound_s": prediction.ideal_lower_bound_s,
+        "ratio": prediction.ratio,
+        "round_robin_s": round_robin.makespan_s,
+        "round_robin_lower_bound_s": prediction.round_robin_lower_bound_s,
+        "speedup_vs_round_robin": round_robin.makespan_s / makespan if makespan else 1.0,
+        "broadcast_s": prediction.broadcast_s,
+        "plan_s": prediction.plan_s,
+        "plan_cpu_s": prediction.plan_cpu_s,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "busiest_ports": [
+            {
+                "port": _port_name(port),
+                "busy_s": busy,
+                "bytes": num_bytes,
+                "utilization": busy / makespan if makespan else 0.0,
+            }
+            for port, busy, num_bytes in result.busiest(5)
+        ],
+    }
+
+
+def _title(summary: dict[str, Any]) -> str:
+    t, r = summary["trainer"], summary["rollout"]
+    dtype = "FP8" if summary["fp8"] else "bf16"
+    return (
+        f"{summary['model_config']} ({dtype}): {t['gpus']} trainer GPUs (tp {t['tp']} ep {t['ep']} "
+        f"pp {t['pp']} dp {t['dp']}) -> {r['replicas']} x tp {r['tp']} ep {r['ep']}, "
+        f"{summary['network']['nic_gbps']:g} Gb/s per NIC"
+    )
+
+
+def _print(summary: dict[str, Any]) -> None:
+    console = Console()
+    console.print(_title(summary))
+    table = Table(title="Predicted data phase")
+    for column in ("plan", "predicted", "lower bound", "ratio", "vs network"):
+        table.add_column(column, justify="left" if column == "plan" else "right")
+    makespan = summary["makespan_s"]
+    table.add_row(
+        "network schedule",
+        f"{makespan:.3f} s",
+        f"{summary['lower_bound_s']:.3f} s",
+        f"{summary['ratio']:.3f}",
+        "1.00x",
+    )
+    table.add_row(
+        "round robin (Miles-style)",
+        f"{summary['round_robin_s']:.3f} s",
+        f"{summary['round_robin_lower_bound_s']:.3f} s",
+        f"{summary['round_robin_s'] / summary['round_robin_lower_bound_s']:.3f}",
+        f"{summary['speedup_vs_round_robin']:.2f}x slower",
+    )
+    table.add_row(
+        "broadcast (full tensors)",
+        f"{summary['broadcast_s']:.3f} s",
+        "-",
+        "-",
+        f"{summary['broadcast_s'] / makespan:.2f}x slower" if makespan else "-",
+    )
+    console.print(table)
+    ports = Table(title="Busiest ports (network schedule)")
+    for column in ("port", "busy", "bytes", "utilization"):
+        ports.add_column(column, justify="left" if column == "port" else "right")
+    for port in summary["busiest_ports"]:
+        ports.add_row(
+            port["port"],
+            f"{port['busy_s']:.3f} s",
+            f"{port['bytes'] / 1e9:.2f} GB",
+            f"{port['utilization']:.1%}",
+        )
+    console.print(ports)
+    console.print(
+        f"no schedule beats {summary['ideal_lower_bound_s']:.3f} s (busiest receiving NIC); "
+        f"{summary['bytes'] / 1e12:.3f} TB in {summary['num_transfers']} transfers; "
+        f"planned in {summary['plan_s']:.1f} s ({summary['plan_cpu_s']:.1f} s CPU)"
+    )
+    if "plot" in summary:
+        console.print(f"timeline written to {summary['plot']}")
