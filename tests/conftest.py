@@ -32,6 +32,18 @@ def pytest_sessionstart(session) -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Run the tests that use the real SGLang servers last, together: SGLang's CPU
+    schedulers poll without sleeping, so the two servers of the session fixture would take
+    most of both cores for the rest of the run if they started any earlier."""
+    items.sort(
+        key=lambda item: (
+            "sglang_servers" in getattr(item, "fixturenames", ())
+            or item.get_closest_marker("sglang") is not None
+        )
+    )
+
+
 @pytest.fixture(scope="session")
 def sglang_checkpoint(tmp_path_factory) -> Path:
     """A tiny random Qwen3 in float32: SGLang computes in the weights' dtype, so greedy
