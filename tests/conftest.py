@@ -32,6 +32,19 @@ def pytest_sessionstart(session) -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+@pytest.fixture(autouse=True)
+def _restore_weightsync_logging() -> Iterator[None]:
+    """Commands run in-process configure the ``weightsync`` logger for the whole process
+    (`weightsync.cli.logs.configure_logging`); put it back after each test, so that the next
+    one's log capture sees its records."""
+    import logging
+
+    logger = logging.getLogger("weightsync")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Run the tests that use the real SGLang servers last, together: SGLang's CPU
     schedulers poll without sleeping, so the two servers of the session fixture would take

@@ -18,6 +18,24 @@ import sys
 _ROOT = "weightsync"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler writing to whatever ``sys.stderr`` is when a record comes, so that a
+    command run in-process (under a test runner that swaps stderr) never writes to a stream
+    that has since been closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        """The current ``sys.stderr``."""
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_logging(*, verbose: bool, prefix: str = "", quiet_warnings: bool = False) -> None:
     """Send the ``weightsync`` logger's records to stderr as ``weightsync: <level>: <msg>``.
 
@@ -32,7 +50,7 @@ def configure_logging(*, verbose: bool, prefix: str = "", quiet_warnings: bool =
         os.environ["MC_LOG_LEVEL"] = native_level
     else:
         os.environ.setdefault("MC_LOG_LEVEL", native_level)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(f"{prefix}%(name)s: %(levelname)s: %(message)s"))
     logger = logging.getLogger(_ROOT)
     logger.handlers[:] = [handler]

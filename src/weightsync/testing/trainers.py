@@ -281,9 +281,14 @@ class SyncTrainers:
         for commands in self.commands:
             with contextlib.suppress(Exception):
                 commands.put({"kind": "stop"})
+        deadline = time.monotonic() + 60.0
         for process in self.processes:
-            process.join(60.0)
-            if process.is_alive():
+            # Waited on by pid, not `join`: a rank that shared CPU tensors by file started
+            # torch's shm manager, which inherits the sentinel pipe `join` waits on and
+            # outlives the rank, so `join` would sit out its whole timeout.
+            while process.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if process.exitcode is None:
                 process.kill()
                 process.join()
 
