@@ -19,41 +19,11 @@ from weightsync.export import ModelExport
 from weightsync.manager.config import ControlConfig
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 from weightsync.testing.reference import greedy_tokens
+from weightsync.testing.transports import FailsAfter
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 TINY = preset_config("tiny")
 PROMPT = (3, 14, 15, 92)
-
-
-class _FailingTransport:
-    """A Mooncake transport whose writes fail once `remaining` of them went out."""
-
-    def __init__(self, inner: MooncakeTransport) -> None:
-        self.inner = inner
-        self.remaining: int | None = None
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, num_bytes: int) -> None:
-        self.inner.register(addr, num_bytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
-
-    def write(self, target_session: str, src_addrs, dst_addrs, lengths) -> Any:
-        if self.remaining is not None:
-            if self.remaining <= 0:
-                raise TransferError("injected failure", target_session=target_session)
-            self.remaining -= 1
-        return self.inner.write(target_session, src_addrs, dst_addrs, lengths)
-
-    def wait(self, handle: Any, timeout_s: float) -> None:
-        self.inner.wait(handle, timeout_s)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +58,7 @@ def host_resumes(replica: str) -> None:
 
 def test_only_weightsyncs_part_of_the_lifecycle_runs(replica: str) -> None:
     model = random_model(TINY, seed=5)
-    transport = _FailingTransport(MooncakeTransport(MooncakeConfig(timeout_s=10)))
+    transport = FailsAfter(MooncakeTransport(MooncakeConfig(timeout_s=10)))
     config = SyncConfig(
         sender=SenderConfig(bucket_bytes=64 << 10),
         control=ControlConfig(manage_generation=False),

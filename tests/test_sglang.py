@@ -10,8 +10,6 @@ sync recovers.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -19,46 +17,13 @@ import weightsync as ws
 from conftest import SGLANG_API_KEY
 from weightsync.errors import TransferError
 from weightsync.testing.reference import greedy_tokens, served_tokens
+from weightsync.testing.transports import FailsAfter
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 PROMPTS = ((1, 17, 42, 7), (600, 2, 31, 99, 5))
 NEW_TOKENS = 6
-
-
-class _FailsAfter:
-    """A Mooncake transport whose writes fail once `remaining` of them went out: a write
-    failing mid-push, as a dead NIC or a killed peer would make it."""
-
-    def __init__(self, inner: MooncakeTransport) -> None:
-        self.inner = inner
-        self.remaining: int | None = None
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, num_bytes: int) -> None:
-        self.inner.register(addr, num_bytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
-
-    def write(self, target_session: str, src_addrs, dst_addrs, lengths) -> Any:
-        if self.remaining is not None:
-            if self.remaining <= 0:
-                raise TransferError(
-                    "injected failure", target_session=target_session, return_code=-1
-                )
-            self.remaining -= 1
-        return self.inner.write(target_session, src_addrs, dst_addrs, lengths)
-
-    def wait(self, handle: Any, timeout_s: float) -> None:
-        self.inner.wait(handle, timeout_s)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -84,7 +49,7 @@ def test_trainer_syncs_into_real_sglang(sglang_servers, sglang_checkpoint) -> No
     first, second = sglang_servers
     model = AutoModelForCausalLM.from_pretrained(sglang_checkpoint, dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    transport = _FailsAfter(MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=10)))
+    transport = FailsAfter(MooncakeTransport(MooncakeConfig(protocol="tcp", timeout_s=10)))
     config = ws.SyncConfig(
         sender=ws.SenderConfig(bucket_bytes=256 << 10, timeout_s=10),
         control=ws.ControlConfig(api_key=SGLANG_API_KEY, check_weight_update_equal=True),

@@ -18,8 +18,8 @@ What stands in for what verl cannot run on a CPU, or for SGLang:
 - `ReferenceReplica`: a ``RolloutReplica`` whose servers are `ReferenceServerActor` actors
   fronting `weightsync serve` replicas (verl's are SGLang servers), and whose rollout
   workers get `ReferenceServerAdapter` (verl's is SGLang's ``ServerAdapter``);
-- `FailingTransport`: a Mooncake transport whose writes fail on demand, for a sender that
-  fails mid-push.
+and a Mooncake transport whose writes fail on demand (`weightsync.testing.transports`), for a
+sender that fails mid-push.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
-from weightsync.errors import TransferError
 from weightsync.testing.reference import greedy_tokens
+from weightsync.testing.transports import FailsAfter
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 
@@ -82,37 +82,6 @@ class TrainerEngine:
         return ((name, state[name].detach()) for name in names), None
 
 
-class FailingTransport:
-    """A Mooncake transport whose writes fail once `remaining` of them went out."""
-
-    def __init__(self, inner: MooncakeTransport) -> None:
-        self.inner = inner
-        self.remaining: int | None = None
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, num_bytes: int) -> None:
-        self.inner.register(addr, num_bytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
-
-    def write(self, target_session: str, src_addrs, dst_addrs, lengths) -> Any:
-        if self.remaining is not None:
-            if self.remaining <= 0:
-                raise TransferError("injected sender failure", target_session=target_session)
-            self.remaining -= 1
-        return self.inner.write(target_session, src_addrs, dst_addrs, lengths)
-
-    def wait(self, handle: Any, timeout_s: float) -> None:
-        self.inner.wait(handle, timeout_s)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 class ActorWorker(ActorRolloutRefWorker):
     """verl's actor worker with the stand-in engine (see module docstring)."""
 
@@ -137,8 +106,11 @@ class ActorWorker(ActorRolloutRefWorker):
         # ---- end verbatim
         # fmt: on
 
-        self.failing = FailingTransport(
-            MooncakeTransport(MooncakeConfig(hostname=ray.util.get_node_ip_address(), timeout_s=10))
+        self.failing = FailsAfter(
+            MooncakeTransport(
+                MooncakeConfig(hostname=ray.util.get_node_ip_address(), timeout_s=10)
+            ),
+            message="injected sender failure",
         )
         self.checkpoint_engine.use_transport(self.failing)
 
