@@ -328,3 +328,23 @@ def test_simulated_sources_split_layers_into_stages() -> None:
 def test_simulated_sources_reject_bad_sizes(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         simulate_sources(TINY, **kwargs)
+
+
+def test_simulated_sources_of_a_block_fp8_checkpoint_hold_e4m3_weights_and_float32_scales():
+    from weightsync.layout.quant import fp8_quantization_config
+
+    config = {
+        **preset_config("tiny-deepseek"),
+        "dtype": "bfloat16",
+        "quantization_config": fp8_quantization_config(128),
+    }
+    sources = simulate_sources(config, num_sources=2)
+    held = sources[0].tensors
+    weight = "model.layers.0.self_attn.o_proj.weight"
+    assert held[weight].dtype == "float8_e4m3fn"
+    assert held[weight + "_scale_inv"].dtype == "float32"
+    assert held["model.norm.weight"].dtype == "bfloat16"
+    plan = build_plan(hf_config=config, targets=simulate_targets(config, tp=2), sources=sources)
+    assert plan.num_bytes_written == sum(
+        group.num_bytes * len(group.targets) for group in plan.groups
+    )

@@ -10,6 +10,7 @@ from typing import Any
 
 from weightsync.layout import hf_tensor_shapes, layer_index, model_dtype, rank_layout
 from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.layout.quant import SCALE_SUFFIX
 from weightsync.plan.types import SourceHolding, TargetRank, TensorMeta
 
 EMBED_TOKENS = "model.embed_tokens.weight"
@@ -82,7 +83,8 @@ def simulate_sources(hf_config: Any, *, num_sources: int, pp: int = 1) -> list[S
     also holds ``model.embed_tokens.weight``; the last stage holds ``model.norm.weight`` and
     ``lm_head.weight`` (with tied embeddings, ``model.embed_tokens.weight`` instead, as the
     output layer needs it). Source rank ``dp_index * pp + stage``; every copy of a stage holds
-    the same tensors, in checkpoint order, in the config's dtype.
+    the same tensors, in checkpoint order, in the config's dtype (a block-FP8 checkpoint's
+    quantised weights in e4m3, their scales in float32).
 
     Args:
         hf_config: the model's transformers config or config.json dict.
@@ -115,9 +117,18 @@ def simulate_sources(hf_config: Any, *, num_sources: int, pp: int = 1) -> list[S
             return {0, pp - 1} if tied else {0}
         return {pp - 1}
 
+    # A block-FP8 checkpoint lists each quantised weight's scale after it: the trainer then
+    # holds what `weightsync.export.Fp8Export` yields, e4m3 weights and float32 scales.
+    scaled = {name.removesuffix(SCALE_SUFFIX) for name in shapes if name.endswith(SCALE_SUFFIX)}
+
+    def dtype_of(name: str) -> str:
+        if name.endswith(SCALE_SUFFIX):
+            return "float32"
+        return "float8_e4m3fn" if name in scaled else dtype
+
     holdings = {
         stage: {
-            name: TensorMeta(shape=shape, dtype=dtype)
+            name: TensorMeta(shape=shape, dtype=dtype_of(name))
             for name, shape in shapes.items()
             if stage in stages_of(name)
         }
