@@ -11,7 +11,20 @@ from typing import Any
 
 
 class WeightSyncError(RuntimeError):
-    """Base class of every run-time failure weightsync reports."""
+    """Base class of every run-time failure weightsync reports.
+
+    Errors travel between trainer ranks pickled, and the default exception pickling drops
+    keyword-only arguments: a subclass that takes them names them in `_keywords` (the
+    attributes of the same names), and `__reduce__` passes them back.
+    """
+
+    _keywords: tuple[str, ...] = ()
+
+    def __reduce__(self):
+        if not self._keywords:
+            return super().__reduce__()
+        keywords = {name: getattr(self, name) for name in self._keywords}
+        return (_rebuild, (type(self), str(self), keywords))
 
 
 class LayoutMismatchError(WeightSyncError, ValueError):
@@ -45,6 +58,8 @@ class TransferError(WeightSyncError):
         param_name: the parameter the failed bytes belonged to, when the caller knows it.
     """
 
+    _keywords = ("target_session", "byte_ranges", "return_code", "param_name")
+
     def __init__(
         self,
         message: str,
@@ -60,23 +75,6 @@ class TransferError(WeightSyncError):
         self.return_code = return_code
         self.param_name = param_name
 
-    def __reduce__(self):
-        # Keyword-only arguments do not survive the default exception pickling, and errors
-        # travel between trainer ranks as pickled objects.
-        return (
-            _rebuild,
-            (
-                type(self),
-                str(self),
-                {
-                    "target_session": self.target_session,
-                    "byte_ranges": self.byte_ranges,
-                    "return_code": self.return_code,
-                    "param_name": self.param_name,
-                },
-            ),
-        )
-
 
 class PartialPushError(TransferError):
     """Writes to some targets failed (the first failure is the message); every write to the
@@ -90,6 +88,8 @@ class PartialPushError(TransferError):
             finished.
     """
 
+    _keywords = (*TransferError._keywords, "failed", "result")
+
     def __init__(
         self,
         message: str,
@@ -102,23 +102,6 @@ class PartialPushError(TransferError):
         self.failed = dict(failed)
         self.result = result
 
-    def __reduce__(self):
-        return (
-            _rebuild,
-            (
-                type(self),
-                str(self),
-                {
-                    "target_session": self.target_session,
-                    "byte_ranges": self.byte_ranges,
-                    "return_code": self.return_code,
-                    "param_name": self.param_name,
-                    "failed": self.failed,
-                    "result": self.result,
-                },
-            ),
-        )
-
 
 class PartialSyncError(WeightSyncError):
     """A sync updated some replicas and failed on others after writing to them: those stay
@@ -129,13 +112,12 @@ class PartialSyncError(WeightSyncError):
         failed: ``{replica_url: why}`` of the replicas it failed on.
     """
 
+    _keywords = ("report", "failed")
+
     def __init__(self, message: str, *, report: Any, failed: Mapping[str, str]) -> None:
         super().__init__(message)
         self.report = report
         self.failed = dict(failed)
-
-    def __reduce__(self):
-        return (_rebuild, (type(self), str(self), {"report": self.report, "failed": self.failed}))
 
 
 class RemoteReplicaError(WeightSyncError):
@@ -147,6 +129,8 @@ class RemoteReplicaError(WeightSyncError):
         status_code: the HTTP status, or ``None`` when the replica could not be reached.
     """
 
+    _keywords = ("replica", "route", "status_code")
+
     def __init__(
         self, message: str, *, replica: str, route: str, status_code: int | None = None
     ) -> None:
@@ -154,20 +138,6 @@ class RemoteReplicaError(WeightSyncError):
         self.replica = replica
         self.route = route
         self.status_code = status_code
-
-    def __reduce__(self):
-        return (
-            _rebuild,
-            (
-                type(self),
-                str(self),
-                {
-                    "replica": self.replica,
-                    "route": self.route,
-                    "status_code": self.status_code,
-                },
-            ),
-        )
 
 
 class LifecycleStepError(RemoteReplicaError):
@@ -177,6 +147,8 @@ class LifecycleStepError(RemoteReplicaError):
     Attributes:
         completed: the routes of the steps that ran before it, in order.
     """
+
+    _keywords = (*RemoteReplicaError._keywords, "completed")
 
     def __init__(
         self,
@@ -189,10 +161,6 @@ class LifecycleStepError(RemoteReplicaError):
     ) -> None:
         super().__init__(message, replica=replica, route=route, status_code=status_code)
         self.completed = tuple(completed)
-
-    def __reduce__(self):
-        attrs = {"replica": self.replica, "route": self.route, "status_code": self.status_code}
-        return (_rebuild, (type(self), str(self), {**attrs, "completed": self.completed}))
 
 
 def _rebuild(cls: type, message: str, kwargs: dict) -> BaseException:
