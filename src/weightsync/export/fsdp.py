@@ -13,15 +13,13 @@ tensors (views).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from weightsync.export.base import ViewExport
-from weightsync.export.pieces import HeldPiece, HeldTensor, PieceStream, held_tensors
+from weightsync.export.pieces import HeldPiece, PiecesExport
 from weightsync.layout.names import EMBED_TOKENS, LM_HEAD
-from weightsync.plan.types import TensorMeta
 
 _FUSED_RE = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
@@ -145,7 +143,7 @@ def _expert_pieces(
     return pieces
 
 
-class FSDPExport(ViewExport):
+class FSDPExport(PiecesExport):
     """An FSDP2 rank's shards as a `weightsync.WeightExport`: each HF tensor's rows it holds.
 
     Every rank holds all layers' shards, so there is no stage filter; the stream yields each
@@ -169,25 +167,10 @@ class FSDPExport(ViewExport):
         if config is not None and not isinstance(config, Mapping):
             tied = getattr(config, "tie_word_embeddings", None)
         self._tied = None if tied is None else bool(tied)
-        self._held: list[HeldTensor] | None = None
-        self._held_key: Any = None
-        self._stream = PieceStream()
 
-    def held(self) -> list[HeldTensor]:
-        """The HF tensors this rank holds rows of, with their pieces."""
-        key = self.memory_key()
-        if self._held is None or key != self._held_key:
-            self._held = held_tensors(fsdp_pieces(self._model, tied=self._tied))
-            self._held_key = key
-        return self._held
-
-    def holding(self) -> Mapping[str, TensorMeta]:
-        """``{hf_name: TensorMeta}`` with the box this rank holds of each, in stream order."""
-        return {tensor.hf_name: tensor.meta for tensor in self.held()}
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield each held box, a view of the local shard."""
-        return self._stream(self.held())
+    def pieces(self) -> list[HeldPiece]:
+        """The rows each local shard holds (per expert for fused experts)."""
+        return fsdp_pieces(self._model, tied=self._tied)
 
     def memory_key(self) -> tuple:
         """The local shards' names, addresses, shapes, strides and dtypes."""

@@ -28,15 +28,13 @@ and the Transformer-Engine spec spell some parameters differently; both are acce
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from weightsync.export.base import ViewExport
-from weightsync.export.pieces import HeldPiece, HeldTensor, PieceStream, held_tensors
-from weightsync.plan.types import TensorMeta
+from weightsync.export.pieces import HeldPiece, PiecesExport
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,7 +147,7 @@ def megatron_pieces(
     return pieces
 
 
-class MegatronExport(ViewExport):
+class MegatronExport(PiecesExport):
     """One Megatron-core rank as a `weightsync.WeightExport`: its boxes of HF tensors.
 
     The holding names each HF tensor the rank holds part of, with the box it holds
@@ -189,29 +187,12 @@ class MegatronExport(ViewExport):
         self._vocab_size = vocab_size
         self._tied = bool(_config_value(hf_config, "tie_word_embeddings"))
         self._names = names
-        self._held: list[HeldTensor] | None = None
-        self._held_key: Any = None
-        self._stream = PieceStream()
 
-    def held(self) -> list[HeldTensor]:
-        """The HF tensors this rank holds part of, with their pieces (worked out again when
-        the parameters moved)."""
-        key = self.memory_key()
-        if self._held is None or key != self._held_key:
-            pieces = megatron_pieces(
-                self._model, hf_vocab_size=self._vocab_size, tied=self._tied, names=self._names
-            )
-            self._held = held_tensors(pieces)
-            self._held_key = key
-        return self._held
-
-    def holding(self) -> Mapping[str, TensorMeta]:
-        """``{hf_name: TensorMeta}`` with the box this rank holds of each, in stream order."""
-        return {tensor.hf_name: tensor.meta for tensor in self.held()}
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield each held box as a tensor of its extents."""
-        return self._stream(self.held())
+    def pieces(self) -> list[HeldPiece]:
+        """The boxes of HF tensors this rank's parameters hold."""
+        return megatron_pieces(
+            self._model, hf_vocab_size=self._vocab_size, tied=self._tied, names=self._names
+        )
 
     def memory_key(self) -> tuple:
         """The parameters' names, addresses, shapes, strides and dtypes."""

@@ -13,11 +13,13 @@ each group's q rows apart from the next's).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from weightsync.export.base import ViewExport
 from weightsync.plan.types import TensorMeta
 
 Box = tuple[tuple[int, int], ...]
@@ -138,6 +140,41 @@ class PieceStream:
                 )
                 buffer[index].copy_(piece.view())
         return buffer
+
+
+class PiecesExport(ViewExport):
+    """The base of the exports of sharded trainers: subclasses say which pieces of HF tensors
+    the rank holds (`pieces`, read from its model) and when its memory may have moved
+    (`memory_key`); the held tensors are worked out again only then, and the stream is
+    built from them by a `PieceStream`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: list[HeldTensor] | None = None
+        self._held_key: Any = None
+        self._stream = PieceStream()
+
+    def pieces(self) -> list[HeldPiece]:
+        """Every piece of an HF tensor the rank holds, read from its model."""
+        raise NotImplementedError
+
+    def held(self) -> list[HeldTensor]:
+        """The HF tensors this rank holds part of, with their pieces (worked out again when
+        the parameters moved)."""
+        key = self.memory_key()
+        if self._held is None or key != self._held_key:
+            self._held = held_tensors(self.pieces())
+            self._held_key = key
+        return self._held
+
+    def holding(self) -> Mapping[str, TensorMeta]:
+        """``{hf_name: TensorMeta}`` with the box this rank holds of each, in stream order."""
+        return {tensor.hf_name: tensor.meta for tensor in self.held()}
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield each held box as a tensor of its extents: a view of the parameter where the
+        rank holds it in one piece."""
+        return self._stream(self.held())
 
 
 def _numel(box: Box) -> int:
