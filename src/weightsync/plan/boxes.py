@@ -12,6 +12,7 @@ All of it is pure; boxes are tuples of ``(start, stop)`` per dim.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -74,10 +75,9 @@ def runs_within(item: CopyItem, sub: Box) -> list[CopyItem]:
             *whole[last_partial + 1 :],
         )
         runs.append(
-            CopyItem(
-                hf_name=item.hf_name,
+            dataclasses.replace(
+                item,
                 src_box=box,
-                param_name=item.param_name,
                 dst_offset_bytes=item.dst_offset_bytes + position * element_size,
                 num_bytes=run_elements * element_size,
             )
@@ -109,10 +109,4 @@ def shift(item: CopyItem, origin: Sequence[int]) -> CopyItem:
     box = tuple(
         (start - o, stop - o) for (start, stop), o in zip(item.src_box, origin, strict=True)
     )
-    return CopyItem(
-        hf_name=item.hf_name,
-        src_box=box,
-        param_name=item.param_name,
-        dst_offset_bytes=item.dst_offset_bytes,
-        num_bytes=item.num_bytes,
-    )
+    return dataclasses.replace(item, src_box=box)

@@ -15,6 +15,7 @@ its rollout dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -173,14 +174,7 @@ def traffic_units(
 def _place(unit: TrafficUnit, num_layers: int) -> TrafficUnit:
     if "embed" in unit.key[0]:
         return unit
-    return TrafficUnit(
-        key=unit.key,
-        layer=num_layers,
-        position=unit.position,
-        num_bytes=unit.num_bytes,
-        num_writes=unit.num_writes,
-        runs=unit.runs,
-    )
+    return dataclasses.replace(unit, layer=num_layers)
 
 
 def _num_runs(runs: Sequence[tuple[str, int, int]]) -> int:
