@@ -136,6 +136,7 @@ def run_workload(args: argparse.Namespace, config: dict, workdir: Path, label: s
             timeout_s=args.timeout_s,
             transport=args.transport,
             ipc_streams=args.ipc_streams,
+            fused_experts=args.trainer_experts == "fused",
             methods=args.methods,
         )
         with SyncTrainers(spec) as trainers:
@@ -225,6 +226,10 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
         "p2p_write_s": slowest["write_seconds"],
         "p2p_num_writes": p2p[-1]["num_writes"],
         "p2p_cached_program": all(r["cached_program"] for r in p2p),
+        "p2p_replayed": all(s.get("replayed") for r in p2p for s in r["sources"].values()),
+        "p2p_bytes_direct": sum(s.get("bytes_direct", 0) for s in p2p[-1]["sources"].values()),
+        "p2p_bytes_staged": sum(s.get("bytes_staged", 0) for s in p2p[-1]["sources"].values()),
+        "trainer_experts": args.trainer_experts,
         "verification": verify,
         "links_gbps": links_gbps,
         "transport": args.transport,
@@ -266,9 +271,12 @@ def print_result(result: dict[str, Any]) -> None:
         title, ["method", "seconds", "min s", "GB/s", "push s", "lifecycle s", "exact"], rows
     )
     cached = ", cached program" if result["p2p_cached_program"] else ""
+    replayed = ", replayed" if result["p2p_replayed"] else ""
     print(
         f"P2P, slowest rank (median): fill {result['p2p_fill_s']:.3f} s, writes not hidden "
-        f"{result['p2p_write_s']:.3f} s, {result['p2p_num_writes']} writes{cached}"
+        f"{result['p2p_write_s']:.3f} s, {result['p2p_num_writes']} writes{cached}{replayed}; "
+        f"{result['p2p_bytes_direct'] / 1e9:.3f} GB direct, "
+        f"{result['p2p_bytes_staged'] / 1e9:.3f} GB staged"
     )
     fraction = result["fraction_of_ceiling"]
     at = (
@@ -327,6 +335,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=int, default=256, help="both methods' bucket")
     p.add_argument("--num-workers", type=int, default=4, help="P2P fill threads per rank")
     p.add_argument("--ipc-streams", type=int, default=1, help="CUDA IPC streams per write")
+    p.add_argument(
+        "--trainer-experts",
+        choices=("fused", "separate"),
+        default="fused",
+        help="how the trainer holds a MoE layer's experts: two fused tensors (as transformers "
+        "and Megatron do) or one tensor per expert and projection",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0)

@@ -18,6 +18,7 @@ from weightsync.plan.copies import fuse_copies
 from weightsync.plan.packing import BucketPacker, Region, SourceBox, box_range
 from weightsync.plan.writes import coalesce
 from weightsync.sender import SenderConfig
+from weightsync.sender.direct import storage_bytes
 from weightsync.sender.fill import SlotFiller
 
 
@@ -452,22 +453,38 @@ def _run_program(program, stream) -> dict[str, dict[str, torch.Tensor]]:
             for w in target_writes.writes:
                 landed[w.dst_addr] = raw[w.src_offset : w.src_offset + w.num_bytes].tobytes()
     filler.close()
+    for step in program.direct:
+        source = held[step.source]
+        storage = storage_bytes(source).numpy()
+        for copy in step.copies:
+            # The copy's two forms agree: its strided view is its runs, in order.
+            view = held[copy.source].as_strided(copy.size, copy.src_stride, copy.src_offset)
+            runs = b"".join(storage[s : s + n].tobytes() for s, _, n in copy.runs)
+            assert view.contiguous().view(torch.uint8).numpy().tobytes() == runs
+        for target_writes in step.writes:
+            landed = memory.setdefault(target_writes.target.session_id, {})
+            for w in target_writes.writes:
+                landed[w.dst_addr] = storage[w.src_offset : w.src_offset + w.num_bytes].tobytes()
     return memory
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     st.sampled_from(["tiny", "tiny-moe"]),
     st.sampled_from([(1, 1), (2, 1), (2, 2)]),
     st.sampled_from([256, 4096, 1 << 20]),
     st.sampled_from([64, 1024]),
     st.integers(1, 3),
+    st.sampled_from([None, 1, 128, 1 << 30]),
 )
 def test_a_lowered_program_writes_exactly_the_rank_layouts(
-    preset, parallel, slot_bytes, chunk_bytes, num_slots
+    preset, parallel, slot_bytes, chunk_bytes, num_slots, min_run_bytes
 ) -> None:
+    # min_run_bytes None: everything staged (a float32 trainer); otherwise a bfloat16
+    # trainer whose tensors go direct where their runs are long enough.
     from weightsync.export import ModelExport
     from weightsync.plan import build_plan, simulate_targets
+    from weightsync.plan.direct import DirectSpec
     from weightsync.plan.program import StagingSpec, lower_push
     from weightsync.receiver import shard_state_dict
     from weightsync.testing.presets import preset_config, random_model
@@ -477,6 +494,10 @@ def test_a_lowered_program_writes_exactly_the_rank_layouts(
         ep = 1
     config = preset_config(preset)
     model = random_model(config, seed=3)
+    direct = DirectSpec()
+    if min_run_bytes is not None:
+        model = model.to(torch.bfloat16)
+        direct = DirectSpec(devices=("cpu",), min_run_bytes=min_run_bytes)
     export = ModelExport(model)
     targets = simulate_targets(config, tp=tp, ep=ep, replicas=2, dtype="bfloat16")
     plan = build_plan(
@@ -486,10 +507,29 @@ def test_a_lowered_program_writes_exactly_the_rank_layouts(
         dtype="bfloat16",
     )
     staging = StagingSpec(
-        device="cpu", num_slots=num_slots, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes
+        device="cpu",
+        num_slots=num_slots,
+        slot_bytes=slot_bytes,
+        chunk_bytes=chunk_bytes,
+        direct=direct,
     )
     program = lower_push(plan.for_source(0), export.geometry(), staging)
-    assert program.counters.bytes_written == plan.num_bytes_written
+    counters = program.counters
+    assert counters.bytes_written == plan.num_bytes_written
+    assert counters.bytes_staged + counters.bytes_direct == plan.for_source(0).num_bytes_staged
+    if min_run_bytes is None:
+        assert counters.bytes_direct == 0
+    elif min_run_bytes == 1 or tp == 1:
+        # No transposed view: only the padding needs the ring (it has no source memory).
+        padding = sum(
+            item.num_bytes
+            for works in plan.for_source(0).work.values()
+            for work in works
+            for item in work.items
+            if item.is_padding
+        )
+        assert counters.bytes_staged == padding
+        assert program.all_direct is (padding == 0)
     memory = _run_program(program, export)
     state = model.state_dict()
     for target in targets:
@@ -529,3 +569,39 @@ def test_lowering_refuses_a_stream_without_a_needed_tensor() -> None:
         lower_push(plan, partial.geometry(), staging)
     with pytest.raises(ValueError, match="multiple of 64"):
         StagingSpec(device="cpu", num_slots=2, slot_bytes=100, chunk_bytes=64)
+
+
+def test_direct_copies_are_long_runs_of_the_tensor_or_nothing() -> None:
+    from weightsync.plan.direct import DirectSpec, direct_copy
+
+    tensor = torch.zeros(8, 4096, dtype=torch.bfloat16)
+    (geometry,) = _geometry([tensor])
+    spec = DirectSpec(devices=("cpu",), min_run_bytes=4096)
+
+    def item(box, dst=0):
+        numel = math.prod(hi - lo for lo, hi in box)
+        return CopyItem(
+            hf_name="w", src_box=box, param_name="p", dst_offset_bytes=dst, num_bytes=2 * numel
+        )
+
+    def copy(box, geometry=geometry, dtype="bfloat16", spec=spec):
+        return direct_copy(item(box), 0, 0, geometry, dtype=dtype, element_size=2, spec=spec)
+
+    whole = copy(((0, 8), (0, 4096)))
+    assert whole.whole and whole.runs == ((0, 0, 8 * 4096 * 2),)
+    rows = copy(((2, 4), (0, 4096)))  # a block of rows: one run
+    assert not rows.whole and rows.runs == ((2 * 8192, 0, 2 * 8192),)
+    # A row-parallel slice: one run per row, pitched by the tensor's row.
+    columns = copy(((0, 8), (2048, 4096)))
+    assert columns.runs == tuple((r * 8192 + 4096, r * 4096, 4096) for r in range(8))
+    assert (columns.size, columns.src_stride, columns.src_offset) == ((8, 2048), (4096, 1), 2048)
+    # Rows shorter than min_run_bytes, a cast, another device, a transposed view: staged.
+    assert copy(((0, 8), (0, 1024))) is None
+    assert copy(((0, 8), (0, 4096)), dtype="float32") is None
+    assert copy(((0, 8), (0, 4096)), spec=DirectSpec(devices=("cuda:0",))) is None
+    (transposed,) = _geometry([tensor.t()])
+    assert copy(((0, 4096), (0, 8)), geometry=transposed) is None
+    # A single element run of anything is one run.
+    assert copy(((3, 4), (5, 6))).runs == ((2 * (3 * 4096 + 5), 0, 2),)
+    padding = CopyItem(hf_name=None, src_box=(), param_name="p", dst_offset_bytes=0, num_bytes=64)
+    assert direct_copy(padding, 0, 0, geometry, dtype="bfloat16", element_size=2, spec=spec) is None

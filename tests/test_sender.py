@@ -713,3 +713,96 @@ def test_non_finite_values_are_refused_on_the_first_push(receiver: Receiver, tra
         always.push(plan, ModelExport(tensors))
     always.close()
     sender.close()
+
+
+# ---------------------------------------------------------------- direct writes
+# Trainer tensors already in the rollout's dtype are written from their own memory,
+# registered with Mooncake, with no staging copy; a push that wrote everything directly is
+# captured and replayed without reading the stream while the tensors stay where they are.
+
+
+def _bf16_model(config: dict, seed: int) -> torch.nn.Module:
+    """The seeded model in bfloat16: the values the receiver expects, in the rollout dtype."""
+    return random_model(config, seed=seed).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", ["tiny", "moe"])
+def test_tensors_in_the_rollout_dtype_go_direct_from_registered_memory(
+    receiver: Receiver, transport, group: str
+) -> None:
+    config = MODELS[group]
+    receiver.call(cmd="fill", group=group, value=7.0)
+    sender = WeightSender(_config(), transport=transport)
+    export = ModelExport(_bf16_model(config, seed=51))
+    plan = _plan_for(sender, export, receiver, group).for_source(0)
+    stats = sender.push(plan, export)
+    _assert_exact(receiver, group, seed=51)
+    # Rows of a row-parallel slice shorter than 4 KiB are staged (a write each would cost
+    # more than the copy saves); the rest is written from the trainer's tensors.
+    assert stats.bytes_direct + stats.bytes_staged == plan.num_bytes_staged
+    assert stats.bytes_direct > stats.bytes_staged > 0
+    assert stats.bytes_written == plan.num_bytes_written
+    assert stats.digests == receiver.call(cmd="digests", group=group)
+
+    # The same push staged: the same bytes land, the digests agree.
+    receiver.call(cmd="fill", group=group, value=7.0)
+    staged = WeightSender(_config(direct=False), transport=transport)
+    again = staged.push(plan, export)
+    _assert_exact(receiver, group, seed=51)
+    assert (again.bytes_direct, again.bytes_staged) == (0, plan.num_bytes_staged)
+    assert again.digests == stats.digests
+    if group == "moe":
+        # Gate and up halves of a fused expert tensor go out as one run.
+        assert stats.num_writes < stats.num_regions
+    staged.close()
+    sender.close()
+
+
+def test_a_direct_push_is_replayed_and_captured_again_after_a_parameter_moved(
+    receiver: Receiver, transport
+) -> None:
+    # tp=1: every tensor is written whole and directly, so the push can be captured.
+    receiver.call(cmd="fill", group="large", value=7.0)
+    sender = WeightSender(_config(), transport=transport)
+    model = _bf16_model(LARGE, seed=61)
+    export = ModelExport(model)
+    plan = _plan_for(sender, export, receiver, "large").for_source(0)
+    first = sender.push(plan, export)
+    assert not first.replayed and first.bytes_staged == 0
+    assert sender.staging_bytes == 0  # nothing staged: no ring was allocated
+    _assert_exact(receiver, "large", seed=61)
+
+    _load(model, 62, LARGE)
+    receiver.call(cmd="fill", group="large", value=7.0)
+    replayed = sender.push(plan, export)
+    assert replayed.replayed and replayed.cached_program
+    _assert_exact(receiver, "large", seed=62)
+    assert replayed.digests == receiver.call(cmd="digests", group="large")
+    assert replayed.bytes_written == first.bytes_written
+
+    # A parameter moves (the trainer gave it new memory): the next push checks the export's
+    # memory before it starts, reads the stream again and captures anew ...
+    param = model.get_parameter("model.layers.0.mlp.down_proj.weight")
+    old_address = param.data_ptr()
+    param.data = param.data.clone()
+    assert param.data_ptr() != old_address
+    _load(model, 63, LARGE)
+    receiver.call(cmd="fill", group="large", value=7.0)
+    moved = sender.push(plan, export)
+    assert moved.cached_program and not moved.replayed
+    _assert_exact(receiver, "large", seed=63)
+    # ... and that capture is what the following push replays, from the new address.
+    _load(model, 64, LARGE)
+    receiver.call(cmd="fill", group="large", value=7.0)
+    again = sender.push(plan, export)
+    assert again.replayed
+    _assert_exact(receiver, "large", seed=64)
+    assert again.digests == receiver.call(cmd="digests", group="large")
+
+    # Without replay every push reads the stream.
+    plain = WeightSender(_config(replay=False), transport=transport)
+    assert not plain.push(plan, export).replayed
+    assert not plain.push(plan, export).replayed
+    _assert_exact(receiver, "large", seed=64)
+    plain.close()
+    sender.close()

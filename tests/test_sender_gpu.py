@@ -12,7 +12,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from test_sender import MODELS, MOE, TINY, Receiver, _assert_exact, _config, _plan_for
+from test_sender import (
+    LARGE,
+    MODELS,
+    MOE,
+    TINY,
+    Receiver,
+    _assert_exact,
+    _config,
+    _load,
+    _plan_for,
+)
 from weightsync.export import ModelExport
 from weightsync.sender import WeightSender
 from weightsync.testing.presets import random_model
@@ -26,6 +36,7 @@ pytestmark = [
 GPU_GROUPS = [
     {"name": "tiny", "model": TINY, "tp": 2, "ep": 1},
     {"name": "moe", "model": MOE, "tp": 2, "ep": 2},
+    {"name": "large", "model": LARGE, "tp": 1, "ep": 1},
 ]
 
 
@@ -119,3 +130,38 @@ def test_cuda_tensors_over_mooncake() -> None:
     finally:
         transport.close()
         receiver.close()
+
+
+def test_a_direct_push_is_a_cuda_graph_captured_again_after_a_parameter_moved(
+    gpu_receiver: Receiver, ipc
+) -> None:
+    # bfloat16 CUDA tensors into a tp=1 layout: every byte is copied straight into the
+    # receiver's mapped parameters, and from the second push on replayed as a CUDA graph.
+    gpu_receiver.call(cmd="fill", group="large", value=7.0)
+    sender = WeightSender(_config(), transport=ipc)
+    model = random_model(LARGE, seed=71).to(device="cuda:0", dtype=torch.bfloat16)
+    export = ModelExport(model)
+    plan = _plan_for(sender, export, gpu_receiver, "large").for_source(0)
+    first = sender.push(plan, export)
+    assert first.bytes_staged == 0 and first.bytes_direct == plan.num_bytes_staged
+    assert not first.replayed and sender.staging_bytes == 0
+    _assert_exact(gpu_receiver, "large", seed=71)
+    for seed in (72, 73):
+        _load(model, seed, LARGE)
+        gpu_receiver.call(cmd="fill", group="large", value=7.0)
+        stats = sender.push(plan, export)
+        assert stats.replayed
+        _assert_exact(gpu_receiver, "large", seed=seed)
+        assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
+
+    # A parameter moves: captured again from the new address, then replayed.
+    param = model.get_parameter("model.layers.1.self_attn.o_proj.weight")
+    param.data = param.data.clone()
+    for seed, replayed in ((74, False), (75, True)):
+        _load(model, seed, LARGE)
+        gpu_receiver.call(cmd="fill", group="large", value=7.0)
+        stats = sender.push(plan, export)
+        assert stats.replayed is replayed
+        _assert_exact(gpu_receiver, "large", seed=seed)
+        assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
+    sender.close()

@@ -71,6 +71,18 @@ class ViewExport:
         cache."""
         return None
 
+    @property
+    def geometry_key(self) -> Any:
+        """The memory key the cached geometry was read under, when the stream yields only
+        views of memory that persists (so a push may be replayed from the same addresses
+        without reading the stream, `weightsync.sender.replay`); None otherwise."""
+        return self._memory_key if self._geometry is not None and self.views_only() else None
+
+    def views_only(self) -> bool:
+        """Whether every tensor of the stream is a view of persistent memory (not a buffer
+        the iteration fills); subclasses that compute tensors answer False."""
+        return True
+
     def holding(self) -> Mapping[str, TensorMeta]:
         """``{hf_name: TensorMeta}`` of the stream's tensors (full tensors: their shapes)."""
         geometry = self.geometry()

@@ -167,6 +167,11 @@ class PiecesExport(ViewExport):
             self._held_key = key
         return self._held
 
+    def views_only(self) -> bool:
+        """Whether every held tensor is one piece (so the stream yields views, no buffer
+        refilled from pieces)."""
+        return all(len(tensor.pieces) == 1 for tensor in self.held())
+
     def holding(self) -> Mapping[str, TensorMeta]:
         """``{hf_name: TensorMeta}`` with the box this rank holds of each, in stream order."""
         return {tensor.hf_name: tensor.meta for tensor in self.held()}

@@ -142,6 +142,9 @@ class SyncReport:
                     "write_seconds": stats.write_seconds,
                     "digest_seconds": stats.digest_seconds,
                     "cached_program": stats.cached_program,
+                    "bytes_staged": stats.bytes_staged,
+                    "bytes_direct": stats.bytes_direct,
+                    "replayed": stats.replayed,
                 }
                 for rank, stats in self.push.per_source.items()
             },

@@ -33,11 +33,12 @@ from weightsync.layout.digest import sample_run
 from weightsync.layout.dtypes import DTYPE_SIZES
 from weightsync.plan.chunks import Chunk, split_bucket
 from weightsync.plan.copies import CopyRecipe, fuse_copies
+from weightsync.plan.direct import DirectCopy, DirectSpec, DirectStep, direct_copy, direct_samples
 from weightsync.plan.geometry import StreamGeometry, StreamKey, TensorGeometry, restrict
-from weightsync.plan.items import SourcePlan, StageWork
+from weightsync.plan.items import CopyItem, SourcePlan, StageWork
 from weightsync.plan.packing import Bucket, BucketPacker
 from weightsync.plan.types import TargetRank
-from weightsync.plan.writes import WriteRun, coalesce
+from weightsync.plan.writes import WriteRun, coalesce, direct_writes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +52,7 @@ class StagingSpec:
         chunk_bytes: target bytes of one fill-then-write chunk, a multiple of 64.
         stream_ordered: the transport can make its writes wait on the GPU for the CUDA stream
             that fills a GPU slot (`weightsync.transport.base`), so no host wait is needed.
+        direct: which tensors may be written from directly, unstaged (`weightsync.plan.direct`).
 
     Raises:
         ValueError: a size below 64 or not a multiple of 64, or ``num_slots < 1``.
@@ -61,6 +63,7 @@ class StagingSpec:
     slot_bytes: int
     chunk_bytes: int
     stream_ordered: bool = False
+    direct: DirectSpec = field(default_factory=DirectSpec)
 
     def __post_init__(self) -> None:
         for name in ("slot_bytes", "chunk_bytes"):
@@ -157,13 +160,15 @@ class PushCounters:
 
     Attributes:
         bytes_staged: bytes copied into the ring (each layout's bytes once).
-        bytes_written: bytes written over all targets.
+        bytes_written: bytes written over all targets (staged and direct).
         num_writes: write requests over all targets, after coalescing.
         num_regions: destination regions over all targets, before coalescing.
         num_buckets: slots filled (one per bucket and layout).
         num_chunks: fill-then-write steps.
         num_copies: copies into the ring after fusing.
         bytes_per_target: bytes written to each target, by session id.
+        bytes_direct: bytes written from the stream's tensors unstaged (each layout's once).
+        num_direct: direct copies (items written unstaged, each layout's once).
     """
 
     bytes_staged: int
@@ -174,6 +179,8 @@ class PushCounters:
     num_chunks: int
     num_copies: int
     bytes_per_target: Mapping[str, int] = field(default_factory=dict)
+    bytes_direct: int = 0
+    num_direct: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +196,9 @@ class PushProgram:
             (`CopyRecipe.source`, `ChunkStep.release`) index this.
         tensors: their geometry, each ``storage`` renumbered to index `keys`.
         steps: the chunks, in the order they are filled.
+        direct: the direct copies, one step per run of consecutive tensors of one storage,
+            in stream order; a step runs when its last tensor arrived, before the chunks
+            that may fill then.
         counters: what the program stages and writes.
         digests: the ``(layout_id, param_name)`` of each digest the steps' samples sum
             into: the digest of what this source writes of that parameter to every target
@@ -204,6 +214,12 @@ class PushProgram:
     steps: tuple[ChunkStep, ...]
     counters: PushCounters
     digests: tuple[tuple[int, str], ...] = ()
+    direct: tuple[DirectStep, ...] = ()
+
+    @property
+    def all_direct(self) -> bool:
+        """Whether every byte of the program is written directly (nothing is staged)."""
+        return not self.steps and bool(self.direct)
 
     def matches(self, plan: SourcePlan, geometry: StreamGeometry, staging: StagingSpec) -> bool:
         """Whether this program is the one for `plan` (the same object), `geometry` and
@@ -294,6 +310,7 @@ class _Lowering:
             for layout_id, targets in plan.targets.items()
         }
         self.steps: list[ChunkStep] = []
+        self.direct: list[DirectStep] = []
         self.digests: dict[tuple[int, str], int] = {}
         self.param_bytes = {
             layout_id: {name: numel * size for name, (_, numel, size) in t[0].weights_info.items()}
@@ -305,15 +322,86 @@ class _Lowering:
 
     def run(self) -> PushProgram:
         works: Mapping[StreamKey, tuple[StageWork, ...]] = self.plan.work
+        group: list[DirectCopy] = []  # direct copies of consecutive tensors of one storage
+        group_bytes = 0
         for index, key in enumerate(self.keys):
+            storage = self.tensors[index].storage
+            if group and (
+                self.tensors[group[-1].source].storage != storage
+                or group_bytes >= self.staging.chunk_bytes
+            ):
+                self._direct_step(group, after=index)
+                group, group_bytes = [], 0
             for work in works[key]:
-                for bucket in self.packers[work.layout_id].add(index, work.items):
+                before = len(group)
+                staged = self._take_direct(index, work, group)
+                group_bytes += sum(c.num_bytes for c in group[before:])
+                for bucket in self.packers[work.layout_id].add(index, staged):
                     self._bucket(bucket, after=index + 1)
+        if group:
+            self._direct_step(group, after=len(self.keys))
         for layout_id in sorted(self.packers):
             bucket = self.packers[layout_id].flush()
             if bucket is not None:
                 self._bucket(bucket, after=len(self.keys))
         return self._program()
+
+    def _direct_step(self, copies: list[DirectCopy], *, after: int) -> None:
+        """The direct copies of consecutive tensors of one storage, as one step that runs
+        once the last of them arrived (so runs adjacent across tensors, an expert's gate and
+        up halves of one fused parameter, go out as one write)."""
+        self.direct.append(
+            DirectStep(
+                source=copies[-1].source,
+                storage=self.tensors[copies[-1].source].storage,
+                after=after,
+                copies=tuple(copies),
+                samples=direct_samples(copies, self.param_bytes, self.digests),
+                num_bytes=sum(c.num_bytes for c in copies),
+                writes=self._direct_writes(copies),
+            )
+        )
+
+    def _take_direct(
+        self, index: int, work: StageWork, direct: list[DirectCopy]
+    ) -> tuple[CopyItem, ...]:
+        """Add the items of `work` that go direct to `direct`; return the ones to stage."""
+        spec = self.staging.direct
+        if not spec.devices:
+            return work.items
+        tensor = self.tensors[index]
+        staged = []
+        for item in work.items:
+            copy = direct_copy(
+                item,
+                index,
+                work.layout_id,
+                tensor,
+                dtype=self.plan.dtype,
+                element_size=self.element_size,
+                spec=spec,
+            )
+            if copy is None:
+                staged.append(item)
+            else:
+                direct.append(copy)
+        return tuple(staged)
+
+    def _direct_writes(self, copies: Sequence[DirectCopy]) -> tuple[TargetWrites, ...]:
+        """The direct copies of one tensor as writes per target (sources are offsets from
+        the tensor's storage), adjacent runs of one parameter merged."""
+        out = []
+        for layout_id in sorted({c.layout_id for c in copies}):
+            mine = [c for c in copies if c.layout_id == layout_id]
+            for target in self.plan.targets[layout_id]:
+                out.append(
+                    TargetWrites(
+                        target=target,
+                        writes=tuple(direct_writes(mine, target.weights_info)),
+                        num_regions=len(mine),
+                    )
+                )
+        return tuple(out)
 
     def _bucket(self, bucket: Bucket, *, after: int) -> None:
         staging, size = self.staging, self.element_size
@@ -418,16 +506,21 @@ class _Lowering:
             keys=self.keys,
             tensors=self.tensors,
             steps=steps,
-            counters=count(steps),
+            counters=count(steps, self.direct),
             digests=tuple(self.digests),
+            direct=tuple(self.direct),
         )
 
 
-def count(steps: Sequence[ChunkStep]) -> PushCounters:
-    """What `steps` stage and write."""
+def count(steps: Sequence[ChunkStep], direct: Sequence[DirectStep] = ()) -> PushCounters:
+    """What `steps` stage and write, and what `direct` writes."""
     per_target: Counter[str] = Counter()
     num_writes = num_regions = 0
-    for step in steps:
+    bytes_direct = num_direct = 0
+    for direct_step in direct:
+        bytes_direct += direct_step.num_bytes
+        num_direct += len(direct_step.copies)
+    for step in [*steps, *direct]:
         for target_writes in step.writes:
             num_writes += len(target_writes.writes)
             num_regions += target_writes.num_regions
@@ -443,6 +536,8 @@ def count(steps: Sequence[ChunkStep]) -> PushCounters:
         num_chunks=len(steps),
         num_copies=sum(len(step.copies) for step in steps),
         bytes_per_target=dict(per_target),
+        bytes_direct=bytes_direct,
+        num_direct=num_direct,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from weightsync.plan.direct import DirectCopy
 from weightsync.plan.packing import Region
 
 
@@ -67,4 +68,37 @@ def coalesce(
                 last[2] += region.num_bytes
                 continue
         merged.append([src, dst, region.num_bytes, region.param_name])
+    return [WriteRun(src, dst, n, param) for src, dst, n, param in merged]
+
+
+def direct_writes(
+    copies: Sequence[DirectCopy], weights_info: Mapping[str, tuple[int, int, int]]
+) -> list[WriteRun]:
+    """Direct copies (`weightsync.plan.direct`) as writes to one target: each copy's runs,
+    sources as byte offsets from their storage's first byte, adjacent runs of one parameter
+    merged (an expert's gate and up halves of one fused tensor land side by side).
+
+    Raises:
+        ValueError: a copy's parameter is not in the target's ``weights_info``.
+    """
+    merged: list[list] = []  # [src, dst, num_bytes, param_name]
+    for copy in copies:
+        entry = weights_info.get(copy.param_name)
+        if entry is None:
+            raise ValueError(
+                f"parameter {copy.param_name!r} is not in the target's weights_info; the plan "
+                "does not match the target it was built for"
+            )
+        for src, dst_offset, num_bytes in copy.runs:
+            dst = entry[0] + dst_offset
+            if merged:
+                last = merged[-1]
+                if (
+                    last[3] == copy.param_name
+                    and last[0] + last[2] == src
+                    and last[1] + last[2] == dst
+                ):
+                    last[2] += num_bytes
+                    continue
+            merged.append([src, dst, num_bytes, copy.param_name])
     return [WriteRun(src, dst, n, param) for src, dst, n, param in merged]

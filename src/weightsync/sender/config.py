@@ -53,6 +53,13 @@ class SenderConfig:
             default it runs only until a push succeeded.
         digest: sum a sample of each parameter's staged bytes (`weightsync.layout.digest`)
             so that the replicas can verify what they received at ``end_weight_update``.
+        direct: write straight from the trainer's tensors where the transport can read
+            them and no cast is needed (`weightsync.plan.direct`): one copy per byte
+            instead of two. The trainer's storages are then registered with the transport
+            (Mooncake) or read by copies into the receivers' mapped memory (CUDA IPC).
+        replay: a push that wrote every byte directly is captured (a CUDA graph into mapped
+            memory, or bound write lists) and replayed on later syncs while the export's
+            tensors stay where they are (`weightsync.sender.replay`): no per-tensor work.
 
     Raises:
         ValueError: a non-positive size, count or timeout, an unknown staging kind, or
@@ -69,6 +76,8 @@ class SenderConfig:
     chunk_bytes: int | None = None
     check_finite: FiniteCheck = "first"
     digest: bool = True
+    direct: bool = True
+    replay: bool = True
 
     def __post_init__(self) -> None:
         names = (

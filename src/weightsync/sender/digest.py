@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from weightsync.layout.digest import WEIGHT_MODULUS, WEIGHT_MULTIPLIER
+from weightsync.plan.direct import DirectStep
 from weightsync.plan.program import ChunkStep, PushProgram, SampleSpan
 
 
@@ -68,11 +69,22 @@ class DigestSums:
             groups.extend([position] * len(step.samples))
         offsets, weights, digests, bounds = expand_spans(spans, groups, len(program.steps))
         edges = bounds.tolist()
+        # The direct copies' samples follow the staged ones: read from the tensors' storages.
+        direct = [s for step in program.direct for s in step.samples]
+        if direct:
+            table = torch.tensor(direct, dtype=torch.int64)
+            offsets = torch.cat([offsets, table[:, 0]])
+            weights = torch.cat([weights, _weights(table[:, 1])])
+            digests = torch.cat([digests, table[:, 2]])
         self._offsets = offsets.to(device)
         self._samples = torch.zeros(offsets.numel(), dtype=torch.uint8, device=device)
         # By step identity (the executor hands back the program's own step objects): the
         # step's range of the samples; steps come in order, so noted ones form one range.
         self._ranges = {id(step): (edges[i], edges[i + 1]) for i, step in enumerate(program.steps)}
+        start = edges[-1]
+        for step in program.direct:
+            self._ranges[id(step)] = (start, start + len(step.samples))
+            start += len(step.samples)
         self._pending: tuple[int, int] | None = None
         self._weights = weights.to(device)
         self._digests = digests.to(device)
@@ -94,6 +106,14 @@ class DigestSums:
         else:
             self._pending = (self._pending[0], hi)
 
+    def add_direct(self, step: DirectStep, storage_bytes: torch.Tensor) -> None:
+        """Read the samples of direct step `step` (one of the program's) from its tensor's
+        storage, `storage_bytes` (the storage as uint8); enqueued on the current stream on a
+        GPU."""
+        lo, hi = self._ranges[id(step)]
+        if hi > lo:
+            torch.index_select(storage_bytes, 0, self._offsets[lo:hi], out=self._samples[lo:hi])
+
     def flush(self, ring_bytes: torch.Tensor) -> None:
         """Copy the samples of the noted steps out of the ring (`ring_bytes`, the ring as
         uint8); on a GPU ring this is enqueued on the current stream, behind the fills."""
@@ -104,8 +124,13 @@ class DigestSums:
         if hi > lo:
             torch.index_select(ring_bytes, 0, self._offsets[lo:hi], out=self._samples[lo:hi])
 
-    def values(self) -> dict[tuple[int, str], int]:
-        """``{(layout_id, param_name): digest}`` of what the execution staged."""
+    def sums(self) -> torch.Tensor:
+        """The digests as a tensor on the samples' device, in `PushProgram.digests` order
+        (enqueued; nothing is read back)."""
         weighted = self._samples.to(torch.int64).mul_(self._weights)
-        sums = self._base.clone().index_add_(0, self._digests, weighted)
-        return dict(zip(self._program.digests, sums.tolist(), strict=True))
+        return self._base.clone().index_add_(0, self._digests, weighted)
+
+    def values(self) -> dict[tuple[int, str], int]:
+        """``{(layout_id, param_name): digest}`` of what the execution staged and wrote
+        directly."""
+        return dict(zip(self._program.digests, self.sums().tolist(), strict=True))

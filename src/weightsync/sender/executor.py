@@ -20,14 +20,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from weightsync.export.geometry import tensor_geometry
+from weightsync.plan.direct import DirectStep
 from weightsync.plan.geometry import TensorGeometry
 from weightsync.plan.program import ChunkStep, PushProgram
 from weightsync.sender.digest import DigestSums
+from weightsync.sender.direct import MappedDirect, TransportDirect, storage_bytes
 from weightsync.sender.fill import SlotFiller, record_events
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.writes import WriteQueue
@@ -54,31 +56,40 @@ class ProgramRun:
 
     Args:
         program: what to run.
-        ring: the allocated staging ring the program's offsets refer to.
+        ring: the allocated staging ring the program's offsets refer to (None for a program
+            that stages nothing).
         filler: runs the copies.
         queue: submits and waits for the writes.
         digests: sums the digest samples of each chunk once it is filled (None: no digest).
+        direct: runs the program's direct steps (`weightsync.sender.direct`); needed when
+            the program has any.
     """
 
     def __init__(
         self,
         program: PushProgram,
         *,
-        ring: StagingRing,
+        ring: StagingRing | None,
         filler: SlotFiller,
         queue: WriteQueue,
         digests: DigestSums | None = None,
+        direct: TransportDirect | MappedDirect | None = None,
     ) -> None:
+        if program.direct and direct is None:
+            raise ValueError("the program writes directly from its tensors: pass direct=")
         self._program = program
+        self._direct = direct
         self._digests = digests
         self._ring = ring
         self._filler = filler
         self._queue = queue
-        self._ring_base = ring.base_addr
-        self._typed = ring.as_dtype(getattr(torch, program.dtype))
-        self._bytes = ring.as_bytes()
+        if ring is None and program.steps:
+            raise ValueError("the program stages its tensors: pass the staging ring")
+        self._ring_base = ring.base_addr if ring is not None else 0
+        self._typed = ring.as_dtype(getattr(torch, program.dtype)) if ring is not None else None
+        self._bytes = ring.as_bytes() if ring is not None else None
         self._stream: int | None = None
-        if any(step.stream_ordered for step in program.steps):
+        if ring is not None and any(step.stream_ordered for step in program.steps):
             self._stream = torch.cuda.current_stream(ring.device).cuda_stream
         self.times = ExecutionTimes()
 
@@ -95,6 +106,9 @@ class ProgramRun:
         index = {key: i for i, key in enumerate(program.keys)}
         expected = _arrival_keys(program.tensors)
         steps = program.steps
+        direct = {step.after: step for step in program.direct}
+        direct_sources = {copy.source for step in program.direct for copy in step.copies}
+        arrived_direct: dict[int, Any] = {}
         held: list[Any] = [None] * len(expected)
         storages: dict[int, int] = {}
         arrived = 0
@@ -127,6 +141,12 @@ class ProgramRun:
                 raise self._mismatch(key, tensor, position, arrived)
             held[position] = tensor
             arrived += 1
+            if position in direct_sources:
+                arrived_direct[position] = tensor
+            direct_step = direct.get(arrived)
+            if direct_step is not None:
+                self._run_direct(direct_step, arrived_direct)
+                arrived_direct = {}
             while next_step < len(steps) and steps[next_step].after == arrived:
                 pending = self._step(steps[next_step], held, pending)
                 next_step += 1
@@ -183,6 +203,16 @@ class ProgramRun:
         self._write(step, [])
         return None
 
+    def _run_direct(self, step: DirectStep, tensors: dict[int, Any]) -> None:
+        """Write one step's direct copies from `tensors` (by program index; the writer keeps
+        them until the end)."""
+        t0 = time.perf_counter()
+        storage = storage_bytes(tensors[step.source])
+        cast("TransportDirect | MappedDirect", self._direct).run(step, tensors, storage)
+        if self._digests is not None:
+            self._digests.add_direct(step, storage)
+        self.times.write_s += time.perf_counter() - t0
+
     def _write(self, step: ChunkStep, events: list[torch.cuda.Event]) -> None:
         t0 = time.perf_counter()
         for event in events:
@@ -206,7 +236,7 @@ class ProgramRun:
         self.times.write_s += time.perf_counter() - t1
 
     def _flush_digests(self) -> None:
-        if self._digests is not None:
+        if self._digests is not None and self._bytes is not None:
             t0 = time.perf_counter()
             self._digests.flush(self._bytes)
             self.times.digest_s += time.perf_counter() - t0

@@ -10,14 +10,17 @@ import torch
 
 from weightsync.errors import PartialPushError, TransferError, WeightsRefusedError
 from weightsync.export.base import WeightExport
+from weightsync.plan.direct import DirectSpec
 from weightsync.plan.geometry import StreamGeometry
 from weightsync.plan.items import SourcePlan
 from weightsync.plan.program import PushProgram, StagingSpec, lower_push
 from weightsync.plan.types import SourceHolding
 from weightsync.sender.config import SenderConfig
 from weightsync.sender.digest import DigestSums
+from weightsync.sender.direct import MappedDirect, SourceMemory, TransportDirect, wait_stream
 from weightsync.sender.executor import ProgramRun
 from weightsync.sender.fill import SlotFiller
+from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
 from weightsync.sender.staging import StagingRing, transport_reads
 from weightsync.sender.stats import PushStats
 from weightsync.sender.writes import WriteQueue
@@ -87,6 +90,8 @@ class WeightSender:
         self._pushed = False  # a push has completed (check_finite="first" checks until then)
         # (id(plan), id(export)) a preflight checked, and whether its program was cached then.
         self._preflighted: tuple[int, int, bool] | None = None
+        self._sources = SourceMemory.of(transport)
+        self._captured: dict[int, CapturedPush] = {}  # by id() of a program in _programs
         self._closed = False
 
     @property
@@ -146,6 +151,7 @@ class WeightSender:
         owner = whole if whole is not None else plan
         if owner is not self._plan:
             self._plan, self._programs, self._digest_sums = owner, [], {}
+            self._captured = {}
         geometry = export.geometry()
         staging = self._staging(plan, geometry)
         for program in self._programs:
@@ -156,6 +162,7 @@ class WeightSender:
         self._programs = [program, *self._programs[: keep - 1]]
         kept = {id(p) for p in self._programs}
         self._digest_sums = {k: v for k, v in self._digest_sums.items() if k in kept}
+        self._captured = {k: v for k, v in self._captured.items() if k in kept}
         return program, False
 
     def preflight(self, plan: SourcePlan, export: WeightExport) -> None:
@@ -241,48 +248,148 @@ class WeightSender:
         check = self.config.check_finite
         if not checked and (check == "always" or (check == "first" and not self._pushed)):
             refuse_non_finite(program, export)
-        ring = self._ring_for(program.staging)
-        sums = self._sums_for(program, ring.device) if self.config.digest else None
-        run = ProgramRun(program, ring=ring, filler=self._filler, queue=self._queue, digests=sums)
+        device = torch.device(program.staging.device)
+        sums = self._sums_for(program, device) if self.config.digest else None
+        key = getattr(export, "geometry_key", None) if self._replays(program) else None
+        captured = self._captured.get(id(program))
         self._queue.start()
+        self._sources.start()
+        if cached and key is not None and captured is not None and captured.key == key:
+            return self._replay(captured, sums, start=start, lowered=lowered)
+        ring = self._ring_for(program.staging) if program.steps else None
+        writer = self._direct_writer(program, device) if program.direct else None
+        run = ProgramRun(
+            program, ring=ring, filler=self._filler, queue=self._queue, digests=sums, direct=writer
+        )
         try:
             run.execute(iter(export))
+            self._wait_mapped(program, writer)
         except BaseException:
             self._queue.drain()
             raise
-        counters = program.counters
         t0 = time.perf_counter()
         digests = _per_target(program, sums.values()) if sums is not None else {}
         digest_seconds = run.times.digest_s + time.perf_counter() - t0
-        stats = PushStats(
-            rank=self.rank,
-            bytes_staged=counters.bytes_staged,
-            bytes_written=counters.bytes_written,
-            num_writes=counters.num_writes,
-            num_regions=counters.num_regions,
-            num_buckets=counters.num_buckets,
-            num_chunks=counters.num_chunks,
-            num_copies=counters.num_copies,
+        failed = self._queue.failed
+        if key is not None and not failed and writer is not None:
+            self._captured[id(program)] = self._capture(program, key, writer, sums, device)
+        stats = _stats(
+            self.rank,
+            program,
             seconds=time.perf_counter() - start,
             lower_seconds=lowered - start,
             fill_seconds=run.times.fill_s,
             write_seconds=run.times.write_s,
-            bytes_per_target=dict(counters.bytes_per_target),
-            cached_program=cached,
+            cached=cached,
             digests=digests,
             digest_seconds=digest_seconds,
+        )
+        if failed:
+            self._queue.drain()
+            raise _partial(failed, stats, num_targets=len(program.counters.bytes_per_target))
+        return stats
+
+    def _replays(self, program: PushProgram) -> bool:
+        """Whether pushes of `program` are captured and replayed."""
+        return self.config.replay and program.all_direct
+
+    def _direct_writer(
+        self, program: PushProgram, device: torch.device
+    ) -> TransportDirect | MappedDirect:
+        """What runs `program`'s direct steps: copies into mapped memory where the transport
+        maps receivers on the program's GPU, transport writes otherwise."""
+        if device.type == "cuda" and callable(getattr(self._transport, "local_address", None)):
+            return MappedDirect(
+                self._transport,
+                program,
+                dtype=torch_dtype(program.dtype),
+                device=device,
+                failed=self._queue.failed,
+            )
+        return TransportDirect(self._queue, self._sources)
+
+    def _wait_mapped(
+        self, program: PushProgram, writer: TransportDirect | MappedDirect | GraphPush | None
+    ) -> None:
+        """Wait for copies into mapped memory (queued on the current stream) to finish; a
+        timeout fails every target they wrote to."""
+        if not isinstance(writer, MappedDirect | GraphPush):
+            return
+        device = torch.device(program.staging.device)
+        t0 = time.perf_counter()
+        if wait_stream(device, self.config.timeout_s):
+            return
+        for session in program.counters.bytes_per_target:
+            self._queue.failed.setdefault(
+                session,
+                TransferError(
+                    f"the copies into {session}'s mapped memory did not finish within "
+                    f"{self.config.timeout_s:g} s (waited {time.perf_counter() - t0:.1f} s)",
+                    target_session=session,
+                ),
+            )
+
+    def _capture(
+        self,
+        program: PushProgram,
+        key: Any,
+        writer: TransportDirect | MappedDirect,
+        sums: DigestSums | None,
+        device: torch.device,
+    ) -> CapturedPush:
+        """What `writer` did in an all-direct push, kept for replay."""
+        if isinstance(writer, MappedDirect):
+            return GraphPush(program, key, writer.bound, writer.copies, sums, device=device)
+        return WritePush(program, key, writer.bound)
+
+    def _replay(
+        self,
+        captured: CapturedPush,
+        sums: DigestSums | None,
+        *,
+        start: float,
+        lowered: float,
+    ) -> PushStats:
+        """Run a captured push again (see `weightsync.sender.replay`)."""
+        program = captured.program
+        t0 = time.perf_counter()
+        try:
+            captured.replay(self._queue, self._sources, sums)
+            self._wait_mapped(program, captured)
+            self._queue.wait_all()
+        except BaseException:
+            self._queue.drain()
+            raise
+        t1 = time.perf_counter()
+        digests = _per_target(program, captured.digests(sums)) if sums is not None else {}
+        stats = _stats(
+            self.rank,
+            program,
+            seconds=time.perf_counter() - start,
+            lower_seconds=lowered - start,
+            fill_seconds=0.0,
+            write_seconds=t1 - t0,
+            cached=True,
+            digests=digests,
+            digest_seconds=time.perf_counter() - t1,
+            replayed=True,
         )
         failed = self._queue.failed
         if failed:
             self._queue.drain()
-            raise _partial(failed, stats, num_targets=len(counters.bytes_per_target))
+            self._captured.pop(id(program), None)
+            raise _partial(failed, stats, num_targets=len(program.counters.bytes_per_target))
         return stats
 
     def release(self) -> None:
-        """Unregister and free the staging memory (e.g. before a trainer checkpoint save)."""
+        """Unregister and free the staging memory (e.g. before a trainer checkpoint save),
+        unregister the trainer memory direct writes read, and drop the captured pushes (they
+        hold the tensors they read)."""
         self._queue.drain()
         if self._ring is not None:
             self._ring.free()
+        self._captured = {}
+        self._sources.release()
 
     def restore(self) -> None:
         """Allocate and register the staging memory again after `release` (no-op if unused)."""
@@ -307,12 +414,16 @@ class WeightSender:
                 device = torch.device(tensor.device)
                 break
         staging_device = self._staging_device(device)
+        direct = DirectSpec()
+        if self.config.direct and transport_reads(self._transport, staging_device):
+            direct = DirectSpec(devices=(str(staging_device),))
         return StagingSpec(
             device=str(staging_device),
             num_slots=self.config.num_slots,
             slot_bytes=self.config.slot_bytes,
             chunk_bytes=self.config.slot_chunk_bytes(staging_device),
             stream_ordered=bool(getattr(self._transport, "stream_ordered", False)),
+            direct=direct,
         )
 
     def _sums_for(self, program: PushProgram, device: torch.device) -> DigestSums:
@@ -371,6 +482,43 @@ def _partial(
     )
 
 
+def _stats(
+    rank: int,
+    program: PushProgram,
+    *,
+    seconds: float,
+    lower_seconds: float,
+    fill_seconds: float,
+    write_seconds: float,
+    cached: bool,
+    digests: dict[str, dict[str, int]],
+    digest_seconds: float,
+    replayed: bool = False,
+) -> PushStats:
+    """The `PushStats` of one execution of `program`."""
+    counters = program.counters
+    return PushStats(
+        rank=rank,
+        bytes_staged=counters.bytes_staged,
+        bytes_written=counters.bytes_written,
+        num_writes=counters.num_writes,
+        num_regions=counters.num_regions,
+        num_buckets=counters.num_buckets,
+        num_chunks=counters.num_chunks,
+        num_copies=counters.num_copies,
+        seconds=seconds,
+        lower_seconds=lower_seconds,
+        fill_seconds=fill_seconds,
+        write_seconds=write_seconds,
+        bytes_per_target=dict(counters.bytes_per_target),
+        cached_program=cached,
+        digests=digests,
+        digest_seconds=digest_seconds,
+        bytes_direct=counters.bytes_direct,
+        replayed=replayed,
+    )
+
+
 def _begin_push(export: WeightExport) -> None:
     """Tell an export that caches per push (`weightsync.export.Fp8Export`) a push starts."""
     begin = getattr(export, "begin_push", None)
@@ -404,6 +552,8 @@ def _merge_stats(parts: list[PushStats]) -> PushStats:
         cached_program=all(s.cached_program for s in parts),
         digests=digests,
         digest_seconds=sum(s.digest_seconds for s in parts),
+        bytes_direct=sum(s.bytes_direct for s in parts),
+        replayed=all(s.replayed for s in parts),
     )
 
 

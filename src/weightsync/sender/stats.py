@@ -34,6 +34,10 @@ class PushStats:
             wrote of each parameter (`weightsync.layout.digest`); the partial digests of all
             ranks add up to the parameter's. Empty when the sender computes none.
         digest_seconds: wall time spent on the digests (part of `seconds`).
+        bytes_direct: bytes written straight from the trainer's tensors, unstaged (each
+            layout's once; `bytes_staged` are the others).
+        replayed: the push replayed a captured one (`weightsync.sender.replay`): the
+            stream was not read.
     """
 
     rank: int
@@ -53,6 +57,8 @@ class PushStats:
     cached_program: bool = False
     digests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     digest_seconds: float = 0.0
+    bytes_direct: int = 0
+    replayed: bool = False
 
     @property
     def write_gbps(self) -> float:

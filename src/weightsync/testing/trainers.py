@@ -52,6 +52,8 @@ class TrainerSpec:
         timeout_s: transfer and broadcast timeout.
         transport: the P2P transport: ``mooncake`` or ``cuda_ipc``.
         ipc_streams: CUDA IPC streams one write is spread over.
+        fused_experts: the trainer holds each layer's experts as two fused tensors
+            (`weightsync.testing.synthetic.synthetic_export`).
         methods: the syncs to build (`METHODS`).
     """
 
@@ -69,6 +71,7 @@ class TrainerSpec:
     timeout_s: float = 600.0
     transport: str = "mooncake"
     ipc_streams: int = 1
+    fused_experts: bool = True
     methods: tuple[str, ...] = field(default=METHODS)
 
 
@@ -177,6 +180,7 @@ def trainer_main(
             device=device,
             pp_rank=rank % spec.pp_size,
             pp_size=spec.pp_size,
+            fused_experts=spec.fused_experts,
         )
         generate_s = time.perf_counter() - t0
         syncs = _syncs(spec, dist.group.WORLD, rank)

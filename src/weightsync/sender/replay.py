@@ -1,0 +1,134 @@
+"""Captured pushes: a push that wrote every byte directly, replayed without reading the stream.
+
+A push whose program is all direct (`PushProgram.all_direct`) reads nothing but the trainer's
+tensors, at addresses that stay put between optimizer steps. So once it ran, what it did can
+be kept bound to those addresses and done again on the next sync with no per-tensor work:
+
+- `GraphPush`: the copies into mapped receiver memory (`weightsync.sender.direct.MappedDirect`)
+  and the digest samples, captured once as a CUDA graph and replayed with one launch;
+- `WritePush`: the writes of a transport that takes lists (Mooncake), bound to absolute
+  source addresses: one submission per target and a gather per storage.
+
+A captured push is valid for one program (so one plan and stream geometry) and one memory
+key of the export (`weightsync.export.ViewExport.geometry_key`: where its tensors lie). The
+sender compares the key before the push starts and captures again when it changed (a
+parameter moved). A captured push holds the tensors it reads, so their memory cannot be
+reused under it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightsync.plan.program import PushProgram
+from weightsync.plan.writes import WriteRun
+from weightsync.sender.digest import DigestSums
+from weightsync.sender.direct import DIRECT_SLOT, BoundStep, SourceMemory, copy_all
+
+if TYPE_CHECKING:
+    from weightsync.plan.types import TargetRank
+    from weightsync.sender.writes import WriteQueue
+
+
+class WritePush:
+    """A direct push over a list-taking transport, bound to absolute addresses.
+
+    Args:
+        program: the all-direct program that ran.
+        key: the export's memory key it ran under.
+        bound: what each direct step read (`TransportDirect.bound`).
+    """
+
+    def __init__(self, program: PushProgram, key: Any, bound: list[BoundStep]) -> None:
+        self.program = program
+        self.key = key
+        self._bound = bound
+        writes: dict[str, tuple[TargetRank, list[WriteRun]]] = {}
+        for item in bound:
+            for target_writes in item.step.writes:
+                entry = writes.setdefault(
+                    target_writes.target.session_id, (target_writes.target, [])
+                )
+                entry[1].extend(
+                    w._replace(src_offset=item.base + w.src_offset) for w in target_writes.writes
+                )
+        self._writes = list(writes.values())
+        self._regions = [(item.base, item.storage.numel()) for item in bound]
+
+    def replay(self, queue: WriteQueue, sources: SourceMemory, sums: DigestSums | None) -> None:
+        """Submit every write again (the queue's waits cover them) and read the digest
+        samples from the storages."""
+        for base, num_bytes in self._regions:
+            sources.ensure(base, num_bytes)
+        for target, writes in self._writes:
+            queue.submit(target, writes, ring_base=0, slot=DIRECT_SLOT)
+        if sums is not None:
+            for item in self._bound:
+                sums.add_direct(item.step, item.storage)
+
+    def digests(self, sums: DigestSums | None) -> dict[tuple[int, str], int]:
+        """The digests of the last replay."""
+        return sums.values() if sums is not None else {}
+
+
+class GraphPush:
+    """A direct push into mapped receiver memory, captured as a CUDA graph.
+
+    Capturing records the copies and the digest gathers without running them; the push
+    they come from already ran them.
+
+    Args:
+        program: the all-direct program that ran.
+        key: the export's memory key it ran under.
+        bound: what each direct step read (`MappedDirect.bound`).
+        copies: every ``(dst, src)`` pair it copied (`MappedDirect.copies`).
+        sums: the program's digest sums, or None without digests.
+        device: the CUDA device the copies ran on.
+    """
+
+    def __init__(
+        self,
+        program: PushProgram,
+        key: Any,
+        bound: list[BoundStep],
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        sums: DigestSums | None,
+        *,
+        device: torch.device,
+    ) -> None:
+        self.program = program
+        self.key = key
+        self._bound = bound
+        self._copies = copies
+        self._sums = sums
+        self._device = device
+        self._graph = torch.cuda.CUDAGraph()
+        self._digests: torch.Tensor | None = None
+        dsts = [dst for dst, _ in copies]
+        srcs = [src for _, src in copies]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad(), torch.cuda.device(device), torch.cuda.graph(self._graph, stream=side):
+            copy_all(dsts, srcs)
+            if sums is not None:
+                for item in bound:
+                    sums.add_direct(item.step, item.storage)
+                self._digests = sums.sums()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def replay(self, queue: WriteQueue, sources: SourceMemory, sums: DigestSums | None) -> None:
+        """Launch the graph on the current stream (the caller waits for it)."""
+        with torch.cuda.device(self._device):
+            self._graph.replay()
+
+    def digests(self, sums: DigestSums | None) -> dict[tuple[int, str], int]:
+        """The digests of the last replay (reads them back: waits for the graph)."""
+        if self._digests is None or sums is None:
+            return {}
+        return dict(zip(self.program.digests, self._digests.tolist(), strict=True))
+
+
+CapturedPush = WritePush | GraphPush
+"""Either kind of captured push."""
