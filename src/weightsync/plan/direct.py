@@ -13,9 +13,9 @@ copy per byte instead of two. An item goes direct when
   block of rows), or rows of at least `DirectSpec.min_run_bytes` each (a row-parallel slice,
   a pitched 2-D copy). A box read element by element (a transposed view) is staged.
 
-A `DirectCopy` keeps both forms of the same copy: as a strided view of the tensor (for a
-transport whose destinations the sender can address as memory, which copies the view in one
-call) and as contiguous byte runs (for one that takes lists of ``(src, dst, length)``).
+A `DirectCopy` is the item as contiguous byte runs of the tensor's storage; a step's runs,
+merged where they are adjacent in the storage and in the parameter, are its writes (for a
+transport that takes lists of ``(src, dst, length)``, and for copies into mapped memory).
 """
 
 from __future__ import annotations
@@ -59,13 +59,8 @@ class DirectCopy(NamedTuple):
         param_name: the rollout parameter written.
         dst_offset_bytes: where the item's bytes start in the parameter.
         num_bytes: bytes of the item.
-        size: the box's extents: ``tensor.as_strided(size, src_stride, src_offset)`` is the
-            item's source, row-major.
-        src_stride: the tensor's strides, in elements.
-        src_offset: element offset of the box's first element in the tensor's storage.
-        whole: the source view is the tensor itself.
-        runs: the same copy as contiguous ``(storage byte offset, parameter byte offset,
-            num_bytes)`` runs, in order.
+        runs: the item as contiguous ``(storage byte offset, parameter byte offset,
+            num_bytes)`` runs, in order (the box read row-major).
     """
 
     source: int
@@ -73,10 +68,6 @@ class DirectCopy(NamedTuple):
     param_name: str
     dst_offset_bytes: int
     num_bytes: int
-    size: tuple[int, ...]
-    src_stride: tuple[int, ...]
-    src_offset: int
-    whole: bool
     runs: tuple[tuple[int, int, int], ...]
 
 
@@ -166,10 +157,6 @@ def direct_copy(
         param_name=item.param_name,
         dst_offset_bytes=item.dst_offset_bytes,
         num_bytes=item.num_bytes,
-        size=size,
-        src_stride=tensor.stride,
-        src_offset=offset,
-        whole=offset == tensor.storage_offset and size == tensor.shape,
         runs=tuple(runs),
     )
 

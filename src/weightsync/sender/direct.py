@@ -7,10 +7,10 @@ Two ways, chosen by what the transport offers:
   registered with it (Mooncake): each tensor's storage is registered once (`SourceMemory`)
   and the step's precomputed writes go out through the sender's `WriteQueue`, like a chunk's;
 - `MappedDirect`, for a transport that maps the receivers' memory into this process
-  (``local_address``, CUDA IPC on one host): the sender copies each item's strided view of
-  the tensor into the mapped parameter itself, on the current CUDA stream, a multi-tensor
-  copy per step. Such a push is a sequence of stream-ordered launches, so it can be captured
-  as a CUDA graph (`weightsync.sender.replay`).
+  (``local_address``, CUDA IPC on one host): the sender copies the step's runs from the
+  tensors' storage into the mapped parameters itself, on the current CUDA stream (long runs
+  a copy each, short ones in multi-tensor launches). Such a push is a sequence of
+  stream-ordered launches, so it can be captured as a CUDA graph (`weightsync.sender.replay`).
 
 Both keep every tensor they read until the push's writes are done, and report what they
 bound, so that a push can be replayed without reading the stream again.
@@ -31,7 +31,6 @@ from weightsync.plan.direct import DirectStep
 from weightsync.plan.types import TargetRank
 
 if TYPE_CHECKING:
-    from weightsync.plan.program import PushProgram
     from weightsync.sender.writes import WriteQueue
     from weightsync.transport import Transport
 
@@ -168,30 +167,25 @@ class TransportDirect:
 class MappedDirect:
     """Direct steps as copies into the receivers' memory, mapped into this process.
 
+    Each step's writes (its runs, merged where adjacent in the storage and the parameter)
+    become byte copies from the tensors' storage into the mapped parameter.
+
     Args:
         transport: maps a receiver's registered memory (``local_address``).
-        program: the program whose steps run.
-        dtype: the program's dtype.
-        device: the CUDA device the copies run on.
         failed: where a target that cannot be mapped is recorded (`WriteQueue.failed`).
+        params: the mapped parameters, kept by the sender between pushes (filled here).
     """
 
     def __init__(
         self,
         transport: Any,
-        program: PushProgram,
         *,
-        dtype: torch.dtype,
-        device: torch.device,
         failed: dict[str, TransferError],
+        params: dict[tuple[str, str, int], torch.Tensor],
     ) -> None:
         self._transport = transport
-        self._program = program
-        self._dtype = dtype
-        self._device = device
         self._failed = failed
-        self._params: dict[tuple[str, str], torch.Tensor] = {}
-        self._element = torch.empty((), dtype=dtype).element_size()
+        self._params = params
         self.bound: list[BoundStep] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -202,53 +196,56 @@ class MappedDirect:
         `storage`) on the current stream."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        element = self._element
-        targets = self._program.plan.targets
-        for copy in step.copies:
-            tensor = tensors[copy.source]
-            src = (
-                tensor
-                if copy.whole
-                else tensor.as_strided(copy.size, copy.src_stride, copy.src_offset)
-            )
-            for target in targets[copy.layout_id]:
-                param = self._param(target, copy.param_name)
+        for target_writes in step.writes:
+            target = target_writes.target
+            for write in target_writes.writes:
+                param = self._param(target, write.param_name)
                 if param is None:
-                    continue
-                start = copy.dst_offset_bytes // element
-                dst = param[start : start + copy.num_bytes // element].view(copy.size)
-                dsts.append(dst)
-                srcs.append(src)
+                    break
+                start = write.dst_addr - target.weights_info[write.param_name][0]
+                dsts.append(param[start : start + write.num_bytes])
+                srcs.append(storage[write.src_offset : write.src_offset + write.num_bytes])
         with torch.no_grad():
             copy_all(dsts, srcs)
         self.copies.extend(zip(dsts, srcs, strict=True))
         self.bound.append(BoundStep(step, tensors, storage_base(tensors[step.source]), storage))
 
     def _param(self, target: TargetRank, name: str) -> torch.Tensor | None:
-        """The target's parameter `name` as a 1-D tensor over this process's mapping of it
-        (None once the target failed)."""
-        key = (target.session_id, name)
+        """The target's parameter `name` as a 1-D uint8 tensor over this process's mapping
+        of it (None once the target failed)."""
+        addr, numel, size = target.weights_info[name]
+        key = (target.session_id, name, addr)
         param = self._params.get(key)
         if param is not None:
             return param
         if target.session_id in self._failed:
             return None
-        addr, numel, size = target.weights_info[name]
         try:
             local = self._transport.local_address(target.session_id, addr, numel * size)
         except TransferError as exc:
             self._failed.setdefault(target.session_id, exc)
             return None
-        param = self._params[key] = device_tensor(local, numel * size).view(self._dtype)
+        param = self._params[key] = device_tensor(local, numel * size)
         return param
 
 
+# On an H200 a multi-tensor copy of large tensors ran at ~55% of a plain copy's rate, and a
+# copy of its own costs ~3 us of device time between copies (6,144 copies of 3 MB experts
+# took 20 ms for 21 GB): a run this long takes its own copy, shorter ones share launches.
+_OWN_COPY_BYTES = 16 << 20
+
+
 def copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair: contiguous pairs as multi-tensor launches."""
+    """``dst.copy_(src)`` for every pair: small contiguous pairs as multi-tensor launches,
+    large ones as a copy each."""
     fused_dst: list[torch.Tensor] = []
     fused_src: list[torch.Tensor] = []
     for dst, src in zip(dsts, srcs, strict=True):
-        if src.is_contiguous() and dst.is_contiguous():
+        if (
+            src.is_contiguous()
+            and dst.is_contiguous()
+            and src.numel() * src.element_size() < _OWN_COPY_BYTES
+        ):
             fused_dst.append(dst)
             fused_src.append(src)
         else:

@@ -92,6 +92,8 @@ class WeightSender:
         self._preflighted: tuple[int, int, bool] | None = None
         self._sources = SourceMemory.of(transport)
         self._captured: dict[int, CapturedPush] = {}  # by id() of a program in _programs
+        # Receiver parameters mapped into this process, by (session, name, address).
+        self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
         self._closed = False
 
     @property
@@ -300,11 +302,7 @@ class WeightSender:
         maps receivers on the program's GPU, transport writes otherwise."""
         if device.type == "cuda" and callable(getattr(self._transport, "local_address", None)):
             return MappedDirect(
-                self._transport,
-                program,
-                dtype=torch_dtype(program.dtype),
-                device=device,
-                failed=self._queue.failed,
+                self._transport, failed=self._queue.failed, params=self._mapped_params
             )
         return TransportDirect(self._queue, self._sources)
 
@@ -389,6 +387,7 @@ class WeightSender:
         if self._ring is not None:
             self._ring.free()
         self._captured = {}
+        self._mapped_params = {}
         self._sources.release()
 
     def restore(self) -> None:
