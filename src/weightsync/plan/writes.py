@@ -48,27 +48,18 @@ def coalesce(
     Raises:
         ValueError: a region's parameter is not in the target's ``weights_info``.
     """
-    merged: list[list] = []  # [src, dst, num_bytes, param_name]
+    runs = []
     for region in regions:
-        entry = weights_info.get(region.param_name)
-        if entry is None:
-            raise ValueError(
-                f"parameter {region.param_name!r} is not in the target's weights_info; the plan "
-                "does not match the target it was built for"
+        entry = _entry(weights_info, region.param_name)
+        runs.append(
+            (
+                slot_offset + region.slot_offset,
+                entry[0] + region.dst_offset_bytes,
+                region.num_bytes,
+                region.param_name,
             )
-        src = slot_offset + region.slot_offset
-        dst = entry[0] + region.dst_offset_bytes
-        if merged:
-            last = merged[-1]
-            if (
-                last[3] == region.param_name
-                and last[0] + last[2] == src
-                and last[1] + last[2] == dst
-            ):
-                last[2] += region.num_bytes
-                continue
-        merged.append([src, dst, region.num_bytes, region.param_name])
-    return [WriteRun(src, dst, n, param) for src, dst, n, param in merged]
+        )
+    return _merged(runs)
 
 
 def direct_writes(
@@ -81,24 +72,32 @@ def direct_writes(
     Raises:
         ValueError: a copy's parameter is not in the target's ``weights_info``.
     """
-    merged: list[list] = []  # [src, dst, num_bytes, param_name]
+    runs = []
     for copy in copies:
-        entry = weights_info.get(copy.param_name)
-        if entry is None:
-            raise ValueError(
-                f"parameter {copy.param_name!r} is not in the target's weights_info; the plan "
-                "does not match the target it was built for"
-            )
-        for src, dst_offset, num_bytes in copy.runs:
-            dst = entry[0] + dst_offset
-            if merged:
-                last = merged[-1]
-                if (
-                    last[3] == copy.param_name
-                    and last[0] + last[2] == src
-                    and last[1] + last[2] == dst
-                ):
-                    last[2] += num_bytes
-                    continue
-            merged.append([src, dst, num_bytes, copy.param_name])
+        entry = _entry(weights_info, copy.param_name)
+        runs += [(src, entry[0] + dst, n, copy.param_name) for src, dst, n in copy.runs]
+    return _merged(runs)
+
+
+def _entry(weights_info: Mapping[str, tuple[int, int, int]], name: str) -> tuple[int, int, int]:
+    entry = weights_info.get(name)
+    if entry is None:
+        raise ValueError(
+            f"parameter {name!r} is not in the target's weights_info; the plan does not match "
+            "the target it was built for"
+        )
+    return entry
+
+
+def _merged(runs: Sequence[tuple[int, int, int, str]]) -> list[WriteRun]:
+    """``(src, dst, num_bytes, param_name)`` runs as writes, a run merged into the one before
+    when both belong to one parameter and are contiguous in the source and the target."""
+    merged: list[list] = []
+    for src, dst, num_bytes, param in runs:
+        if merged:
+            last = merged[-1]
+            if last[3] == param and last[0] + last[2] == src and last[1] + last[2] == dst:
+                last[2] += num_bytes
+                continue
+        merged.append([src, dst, num_bytes, param])
     return [WriteRun(src, dst, n, param) for src, dst, n, param in merged]
