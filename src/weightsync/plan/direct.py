@@ -24,7 +24,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from weightsync.layout.digest import sample_run
 from weightsync.plan.geometry import TensorGeometry
@@ -99,8 +99,8 @@ class DirectStep:
         copies: the copies, in the order the plan lists their items.
         samples: the digest samples of the copies.
         num_bytes: bytes the copies move (to each target of their layouts).
-        writes: the copies as writes per target (``TargetWrites``; sources are byte
-            offsets from the storage's first byte), for a transport that takes lists.
+        writes: the copies as writes per target (`weightsync.plan.program.TargetWrites`,
+            sources as byte offsets from the storage's first byte).
     """
 
     source: int
@@ -109,7 +109,7 @@ class DirectStep:
     copies: tuple[DirectCopy, ...]
     samples: tuple[DirectSample, ...] = ()
     num_bytes: int = 0
-    writes: tuple = ()
+    writes: tuple[Any, ...] = ()
 
 
 def direct_copy(

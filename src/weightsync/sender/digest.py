@@ -52,8 +52,9 @@ class DigestSums:
     Built once per program on the ring's device (its index tensors are kept). During an
     execution every written step is noted (`add_step`) and, before a bucket refills a slot
     and at the end, `flush` copies the noted steps' sampled bytes out of the ring in one
-    gather; `values` weighs and sums them all at once and reads the sums back (one device
-    sync).
+    gather; a direct step's samples are read from its tensors' storage as it runs
+    (`add_direct`); `values` weighs and sums them all at once and reads the sums back (one
+    device sync).
 
     Args:
         program: the program whose samples are summed.

@@ -12,7 +12,9 @@ written:
   copies on the GPU; otherwise, when the copies run on CUDA streams, the writes wait on the
   host for events recorded after them, and are submitted after the next step's copies were
   enqueued, so the GPU fills one chunk while the transport reads the previous one;
-- host copies are done when the fill returns, so their writes go out at once.
+- host copies are done when the fill returns, so their writes go out at once;
+- a direct step (`weightsync.plan.direct`) runs once its last tensor arrived: its writes go
+  out from the trainer's own memory (`weightsync.sender.direct`), no slot involved.
 """
 
 from __future__ import annotations
