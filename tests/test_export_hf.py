@@ -155,3 +155,30 @@ def test_tensors_export_declares_slices_and_checks_their_extents() -> None:
         wrong.holding()
     with pytest.raises(ValueError, match="not given"):
         TensorsExport({}, slices={"w": ((4, 6), ((0, 4), (2, 5)))})
+
+
+def test_a_pinned_export_reads_its_memory_key_once_and_keeps_its_holding() -> None:
+    from weightsync.export import TensorsExport
+
+    class Counting(TensorsExport):
+        calls = 0
+
+        def memory_key(self) -> tuple:
+            Counting.calls += 1
+            return super().memory_key()
+
+    tensors = {"a": torch.zeros(4, 4), "b": torch.ones(8)}
+    export = Counting(tensors)
+    first = export.holding()
+    key = export.geometry_key
+    assert export.holding() is first  # nothing moved: the same mapping
+    before = Counting.calls
+    with export.pinned():
+        for _ in range(3):
+            export.geometry()
+            assert export.holding() is first
+    assert Counting.calls == before + 1
+    # Outside the block the key is checked again: a moved tensor is seen.
+    tensors["b"] = torch.ones(8)
+    assert export.holding() is not first
+    assert export.geometry_key != key

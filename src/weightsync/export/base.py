@@ -9,6 +9,7 @@ program, which is cached as long as that does not change).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,6 +61,8 @@ class ViewExport:
     def __init__(self) -> None:
         self._geometry: StreamGeometry | None = None
         self._memory_key: Any = None
+        self._holding: tuple[StreamGeometry, Mapping[str, TensorMeta]] | None = None
+        self._pinned = 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The ``(hf_name, tensor)`` stream."""
@@ -83,21 +86,44 @@ class ViewExport:
         the iteration fills); subclasses that compute tensors answer False."""
         return True
 
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Within the block the export's tensors do not move (the caller's promise: a sync
+        runs between optimizer steps), so the memory key is computed once, not at every
+        `geometry` call; nested blocks share the outer one's."""
+        if not self._pinned:
+            self._refresh()
+        self._pinned += 1
+        try:
+            yield
+        finally:
+            self._pinned -= 1
+
     def holding(self) -> Mapping[str, TensorMeta]:
-        """``{hf_name: TensorMeta}`` of the stream's tensors (full tensors: their shapes)."""
+        """``{hf_name: TensorMeta}`` of the stream's tensors (full tensors: their shapes);
+        the same mapping while the geometry holds."""
         geometry = self.geometry()
-        return {
-            key: TensorMeta(shape=tensor.shape, dtype=tensor.dtype)
-            for key, tensor in zip(geometry.keys, geometry.tensors, strict=True)
-        }
+        if self._holding is None or self._holding[0] is not geometry:
+            metas = {
+                key: TensorMeta(shape=tensor.shape, dtype=tensor.dtype)
+                for key, tensor in zip(geometry.keys, geometry.tensors, strict=True)
+            }
+            self._holding = (geometry, metas)
+        return self._holding[1]
 
     def geometry(self) -> StreamGeometry:
-        """How the stream lies in memory; computed again only when `memory_key` changed.
+        """How the stream lies in memory; computed again only when `memory_key` changed
+        (and not checked within `pinned`).
 
         Raises:
             ValueError: the stream repeats a name or yields something that is not a dense
                 tensor.
         """
+        if self._pinned and self._geometry is not None:
+            return self._geometry
+        return self._refresh()
+
+    def _refresh(self) -> StreamGeometry:
         key = self.memory_key()
         if key is None or self._geometry is None or key != self._memory_key:
             self._geometry = stream_geometry(iter(self))

@@ -202,7 +202,10 @@ class TensorsExport(ViewExport):
         Raises:
             ValueError: a sliced tensor's shape is not its box's extents.
         """
-        metas = dict(super().holding())
+        whole = super().holding()
+        if not self._slices:
+            return whole
+        metas = dict(whole)
         for name, (shape, box) in self._slices.items():
             meta = TensorMeta(shape=tuple(shape), dtype=metas[name].dtype, box=tuple(box))
             if meta.local_shape != tuple(metas[name].shape):

@@ -152,6 +152,7 @@ class PiecesExport(ViewExport):
         super().__init__()
         self._held: list[HeldTensor] | None = None
         self._held_key: Any = None
+        self._held_holding: tuple[list[HeldTensor], Mapping[str, TensorMeta]] | None = None
         self._stream = PieceStream()
 
     def pieces(self) -> list[HeldPiece]:
@@ -161,6 +162,8 @@ class PiecesExport(ViewExport):
     def held(self) -> list[HeldTensor]:
         """The HF tensors this rank holds part of, with their pieces (worked out again when
         the parameters moved)."""
+        if self._pinned and self._held is not None:
+            return self._held
         key = self.memory_key()
         if self._held is None or key != self._held_key:
             self._held = held_tensors(self.pieces())
@@ -173,8 +176,12 @@ class PiecesExport(ViewExport):
         return all(len(tensor.pieces) == 1 for tensor in self.held())
 
     def holding(self) -> Mapping[str, TensorMeta]:
-        """``{hf_name: TensorMeta}`` with the box this rank holds of each, in stream order."""
-        return {tensor.hf_name: tensor.meta for tensor in self.held()}
+        """``{hf_name: TensorMeta}`` with the box this rank holds of each, in stream order
+        (the same mapping while the held tensors are)."""
+        held = self.held()
+        if self._held_holding is None or self._held_holding[0] is not held:
+            self._held_holding = (held, {tensor.hf_name: tensor.meta for tensor in held})
+        return self._held_holding[1]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield each held box as a tensor of its extents: a view of the parameter where the

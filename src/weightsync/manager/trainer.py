@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -196,6 +197,12 @@ class TrainerSync:
         """
         if self._closed:
             raise ValueError("sync() on a closed TrainerSync")
+        pinned = getattr(export, "pinned", None)
+        with pinned() if callable(pinned) else contextlib.nullcontext():
+            return self._sync(export, version)
+
+    def _sync(self, export: WeightExport, version: str | None) -> SyncReport:
+        """`sync`, with the export's memory key computed once."""
         mine = self._sender.holding(export)
         holdings = tuple(sorted(self._collective.all_gather(mine), key=lambda h: h.rank))
         if self._config.check_replicas:
@@ -210,15 +217,20 @@ class TrainerSync:
             return self._follow(export)
         pushed = False
 
-        async def push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
+        def plan_and_push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
             nonlocal pushed
             # The driver builds (and validates) the plan before any rank writes, so a
             # mismatch fails the sync with nothing written.
-            plans = await asyncio.to_thread(self._source_plans, targets, epoch, holdings)
+            plans = self._source_plans(targets, epoch, holdings)
             pushed = True
             order = PushOrder(new_plan=plans is not None, fp8_block_size=rollout_fp8(targets))
-            await asyncio.to_thread(self._collective.broadcast, order, (PushOrder,))
-            return await asyncio.to_thread(self._push, export, targets, order, plans)
+            self._collective.broadcast(order, (PushOrder,))
+            return self._push(export, targets, order, plans)
+
+        async def push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
+            # One worker thread for the whole push: it blocks on collectives and the GPU,
+            # never the manager's loop.
+            return await asyncio.to_thread(plan_and_push, targets, epoch)
 
         try:
             report = self.run(self._manager.update_weights(push, version=version))

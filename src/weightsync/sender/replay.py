@@ -108,15 +108,27 @@ class GraphPush:
         self._digests: torch.Tensor | None = None
         dsts = [dst for dst, _ in copies]
         srcs = [src for _, src in copies]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.no_grad(), torch.cuda.device(device), torch.cuda.graph(self._graph, stream=side):
+        capture = torch.cuda.Stream(device)
+        gather = torch.cuda.Stream(device)
+        capture.wait_stream(torch.cuda.current_stream(device))
+        with (
+            torch.no_grad(),
+            torch.cuda.device(device),
+            torch.cuda.graph(self._graph, stream=capture, capture_error_mode="thread_local"),
+        ):
+            if sums is not None:
+                # The digest samples are read from the trainer's tensors, which the copies do
+                # not change: a branch of the graph beside the copies, so its many small
+                # gathers hide behind their bandwidth.
+                gather.wait_stream(capture)
+                with torch.cuda.stream(gather):
+                    for item in bound:
+                        sums.add_direct(item.step, item.storage)
+                    self._digests = sums.sums()
             copy_all(dsts, srcs)
             if sums is not None:
-                for item in bound:
-                    sums.add_direct(item.step, item.storage)
-                self._digests = sums.sums()
-        torch.cuda.current_stream(device).wait_stream(side)
+                capture.wait_stream(gather)
+        torch.cuda.current_stream(device).wait_stream(capture)
 
     def replay(self, queue: WriteQueue, sources: SourceMemory, sums: DigestSums | None) -> None:
         """Launch the graph on the current stream (the caller waits for it)."""

@@ -91,6 +91,7 @@ class WeightSender:
         # (id(plan), id(export)) a preflight checked, and whether its program was cached then.
         self._preflighted: tuple[int, int, bool] | None = None
         self._sources = SourceMemory.of(transport)
+        self._holding: SourceHolding | None = None
         self._captured: dict[int, CapturedPush] = {}  # by id() of a program in _programs
         # Receiver parameters mapped into this process, by (session, name, address).
         self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
@@ -122,7 +123,13 @@ class WeightSender:
                 "holding() takes a WeightExport (e.g. weightsync.ModelExport(model)), got "
                 f"{type(export).__name__}"
             )
-        return SourceHolding(rank=self.rank, tensors=export.holding())
+        tensors = export.holding()
+        cached = self._holding
+        if cached is None or cached.tensors is not tensors:
+            # The same object while the export's holding is: comparing a sync's holdings
+            # with the cached plan's is then an identity check.
+            cached = self._holding = SourceHolding(rank=self.rank, tensors=tensors)
+        return cached
 
     def gather_holdings(self, export: WeightExport) -> list[SourceHolding]:
         """Every rank's `holding`, by rank; collective over the group (every rank calls it)."""

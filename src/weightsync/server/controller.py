@@ -816,7 +816,9 @@ async def _run_steps(
     """
     deadline = None if budget_s is None else time.monotonic() + budget_s
     value: Any = None
+    took: list[str] = []
     for index, (route, step) in enumerate(steps):
+        started = time.perf_counter()
         if deadline is not None and index and time.monotonic() > deadline:
             late = ControlError(
                 f"the call ran past budget_s={budget_s:g} before {route}; it and the steps "
@@ -839,6 +841,8 @@ async def _run_steps(
         except ControlError as exc:
             raise StepRefusedError(exc, route=route, completed=completed) from exc
         completed.append(route)
+        took.append(f"{route} {(time.perf_counter() - started) * 1e3:.2f} ms")
+    logger.debug("steps of one call: %s", ", ".join(took))
     return value
 
 
