@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -116,6 +117,7 @@ class InternalErrorGuard:
             await self.app(scope, receive, send)
             return
         started = False
+        began = time.perf_counter() if logger.isEnabledFor(logging.DEBUG) else None
 
         async def send_tracked(message: Message) -> None:
             nonlocal started
@@ -124,6 +126,9 @@ class InternalErrorGuard:
 
         try:
             await self.app(scope, receive, send_tracked)
+            if began is not None:
+                took = (time.perf_counter() - began) * 1e3
+                logger.debug("%s answered in %.2f ms", _route(scope), took)
         except BodyTooLargeError:
             raise  # answered by BodySizeLimit, further out
         except Exception as exc:
