@@ -125,7 +125,15 @@ class GraphPush:
                     for item in bound:
                         sums.add_direct(item.step, item.storage)
                     self._digests = sums.sums()
-            copy_all(dsts, srcs)
+            branches = _branches(dsts, srcs, _BRANCHES)
+            streams = [capture] + [torch.cuda.Stream(device) for _ in branches[1:]]
+            for stream in streams[1:]:
+                stream.wait_stream(capture)
+            for stream, (branch_dsts, branch_srcs) in zip(streams, branches, strict=True):
+                with torch.cuda.stream(stream):
+                    copy_all(branch_dsts, branch_srcs)
+            for stream in streams[1:]:
+                capture.wait_stream(stream)
             if sums is not None:
                 capture.wait_stream(gather)
         torch.cuda.current_stream(device).wait_stream(capture)
@@ -140,6 +148,29 @@ class GraphPush:
         if self._digests is None or sums is None:
             return {}
         return dict(zip(self.program.digests, self._digests.tolist(), strict=True))
+
+
+# Branches of the graph the copies are dealt over: a graph runs a branch's copies one after
+# the other, with a gap of a few microseconds between two, which a second branch fills.
+_BRANCHES = 2
+
+
+def _branches(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], parts: int
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The copies dealt into at most `parts` branches of about equal bytes, in order."""
+    total = sum(d.numel() * d.element_size() for d in dsts)
+    share = max(1, -(-total // parts))
+    out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], [])]
+    filled = 0
+    for dst, src in zip(dsts, srcs, strict=True):
+        if filled >= share and len(out) < parts:
+            out.append(([], []))
+            filled = 0
+        out[-1][0].append(dst)
+        out[-1][1].append(src)
+        filled += dst.numel() * dst.element_size()
+    return out
 
 
 CapturedPush = WritePush | GraphPush
