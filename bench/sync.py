@@ -160,7 +160,10 @@ def run_workload(args: argparse.Namespace, config: dict, workdir: Path, label: s
                     log(f"  {method}: {report['seconds']:.3f} s, bit-exact")
                 for key, seconds in ceiling.measure().items():
                     links.setdefault(key, []).append(seconds)
-        return summarize(args, config, label, num_bytes, runs, links, warmup)
+            loop = trainers.loop("p2p", args.loop_syncs) if args.loop_syncs else []
+            if loop:
+                log(f"  p2p loop of {len(loop)} syncs: bit-exact")
+        return summarize(args, config, label, num_bytes, runs, links, warmup, loop)
     finally:
         if ceiling is not None:
             ceiling.close()
@@ -168,7 +171,7 @@ def run_workload(args: argparse.Namespace, config: dict, workdir: Path, label: s
             replica.stop()
 
 
-def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, Any]:
+def summarize(args, config, label, num_bytes, runs, links, warmup, loop=()) -> dict[str, Any]:
     """The workload's results: medians, rates and ratios measured in this run."""
     seconds = {m: median([r["seconds"] for r in runs.get(m, [])]) for m in METHODS}
     push = {m: median([r["phases"]["push"] for r in runs.get(m, [])]) for m in METHODS}
@@ -247,6 +250,26 @@ def summarize(args, config, label, num_bytes, runs, links, warmup) -> dict[str, 
         "phases": {m: runs[m][-1]["phases"] for m in args.methods},
         "phases_s": phases_s,
         "warmup_s": {m: warmup[m]["report"]["seconds"] for m in args.methods},
+        "loop": _loop_summary(loop, num_bytes, ceiling_gbps, phase_names),
+    }
+
+
+def _loop_summary(loop, num_bytes, ceiling_gbps, phase_names) -> dict[str, Any] | None:
+    """The back-to-back syncs' medians (`--loop-syncs`), or None."""
+    if not loop:
+        return None
+    seconds = median([r["seconds"] for r in loop])
+    push = median([r["phases"]["push"] for r in loop])
+    return {
+        "syncs": len(loop),
+        "p2p_s": seconds,
+        "p2p_push_s": push,
+        "fraction_of_ceiling": num_bytes / seconds / 1e9 / ceiling_gbps if ceiling_gbps else None,
+        "push_fraction_of_ceiling": (
+            num_bytes / push / 1e9 / ceiling_gbps if ceiling_gbps else None
+        ),
+        "phases_s": {p: median([r["phases"][p] for r in loop]) for p in phase_names},
+        "replayed": all(s.get("replayed") for r in loop for s in r["sources"].values()),
     }
 
 
@@ -299,6 +322,20 @@ def print_result(result: dict[str, Any]) -> None:
         "P2P phases (median ms): "
         + ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in phases.items())
     )
+    loop = result["loop"]
+    if loop is not None:
+        at = (
+            f" ({loop['fraction_of_ceiling']:.0%} of {LINK_NAMES[result['ceiling']]}, push "
+            f"{loop['push_fraction_of_ceiling']:.0%})"
+            if loop["fraction_of_ceiling"]
+            else ""
+        )
+        print(
+            f"P2P loop, {loop['syncs']} syncs back to back (median): {loop['p2p_s'] * 1e3:.2f} ms"
+            f"{at}; phases "
+            + ", ".join(f"{n} {s * 1e3:.2f}" for n, s in loop["phases_s"].items())
+            + " ms"
+        )
     verify = result["verification"]
     ab = (
         f"; p2p - p2p-nodigest end to end: {verify['ab_s'] * 1e3:+.1f} ms"
@@ -335,6 +372,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=int, default=256, help="both methods' bucket")
     p.add_argument("--num-workers", type=int, default=4, help="P2P fill threads per rank")
     p.add_argument("--ipc-streams", type=int, default=1, help="CUDA IPC streams per write")
+    p.add_argument(
+        "--loop-syncs",
+        type=int,
+        default=0,
+        help="after the timed runs, this many P2P syncs back to back, as an RL loop runs "
+        "them: no corruption between them, the replicas compared bit for bit after the last",
+    )
     p.add_argument(
         "--trainer-experts",
         choices=("fused", "separate"),

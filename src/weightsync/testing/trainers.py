@@ -186,6 +186,9 @@ def trainer_main(
         syncs = _syncs(spec, dist.group.WORLD, rank)
         results.put({"kind": "ready", "rank": rank, "generate_s": generate_s})
         while (command := commands.get())["kind"] != "stop":
+            if command["kind"] == "loop":
+                results.put(_loop(spec, syncs[command["method"]], export, command["count"], rank))
+                continue
             if rank == 0:
                 # Corrupting weights is for paused replicas; the sync resumes them.
                 check_weights(spec.urls, "pause_generation", spec.api_key)
@@ -216,6 +219,24 @@ def trainer_main(
             except Exception:
                 traceback.print_exc()
         results.put({"kind": "exit", "rank": rank})
+
+
+def _loop(spec: TrainerSpec, sync: Any, export: Any, count: int, rank: int) -> dict[str, Any]:
+    """`count` syncs back to back, as an RL loop runs them (each verified by the replicas'
+    digests at its end); the replicas are snapshotted before and compared after, so the
+    loop's result is checked bit for bit too. Rank 0's event holds every sync's report."""
+    if rank == 0:
+        check_weights(spec.urls, "pause_generation", spec.api_key)
+        check_weights(spec.urls, "snapshot", spec.api_key)
+    reports = []
+    for _ in range(count):
+        report = sync.sync(export)
+        reports.append(report.to_dict())
+    event: dict[str, Any] = {"kind": "loop", "rank": rank}
+    if rank == 0:
+        check_weights(spec.urls, "compare", spec.api_key)
+        event.update(reports=reports, bit_exact=True)
+    return event
 
 
 def replica_digest_seconds(urls: Sequence[str], api_key: str | None = None) -> float:
@@ -279,6 +300,19 @@ class SyncTrainers:
             commands.put({"kind": "run", "method": method})
         events = sorted((self._next("run") for _ in self.commands), key=lambda e: e["rank"])
         return events[0]
+
+    def loop(self, method: str, count: int) -> list[dict[str, Any]]:
+        """`count` syncs by `method` back to back, with no corruption in between (each is
+        verified by the replicas' digests, and the result bit for bit after the last):
+        rank 0's reports.
+
+        Raises:
+            RuntimeError: a rank failed (with its traceback), or the check failed.
+        """
+        for commands in self.commands:
+            commands.put({"kind": "loop", "method": method, "count": count})
+        events = sorted((self._next("loop") for _ in self.commands), key=lambda e: e["rank"])
+        return events[0]["reports"]
 
     def close(self) -> None:
         """Stop every rank (killing what does not stop)."""
