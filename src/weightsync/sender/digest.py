@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from weightsync.layout.digest import WEIGHT_MODULUS, WEIGHT_MULTIPLIER
@@ -114,6 +116,37 @@ class DigestSums:
         lo, hi = self._ranges[id(step)]
         if hi > lo:
             torch.index_select(storage_bytes, 0, self._offsets[lo:hi], out=self._samples[lo:hi])
+
+    def span_gather(
+        self, bases: Sequence[tuple[DirectStep, int]]
+    ) -> tuple[int, int, torch.Tensor, int, int] | None:
+        """How to read the samples of every direct step in one gather: ``(span start
+        address, span bytes, offsets from the start, first sample, end sample)``, given each
+        step's storage address (`bases`, in program order); None without direct samples.
+
+        The span runs from the lowest storage to the end of the highest sample; one uint8
+        tensor over it reads every sample with one kernel instead of one per storage (the
+        gaps between storages are never read).
+        """
+        ranges = [(self._ranges[id(step)], base) for step, base in bases]
+        ranges = [((lo, hi), base) for (lo, hi), base in ranges if hi > lo]
+        if not ranges:
+            return None
+        first, end = ranges[0][0][0], ranges[-1][0][1]
+        if [lo for (lo, _), _ in ranges[1:]] != [hi for (_, hi), _ in ranges[:-1]]:
+            raise ValueError("the direct steps' samples must be given in program order")
+        shift = torch.cat(
+            [torch.full((hi - lo,), base, dtype=torch.int64) for (lo, hi), base in ranges]
+        ).to(self._offsets.device)
+        absolute = self._offsets[first:end] + shift
+        start = int(absolute.min())
+        size = int(absolute.max()) - start + 1
+        return start, size, absolute - start, first, end
+
+    def gather_span(self, span: torch.Tensor, offsets: torch.Tensor, first: int, end: int) -> None:
+        """Read samples ``first:end`` from `span` (a uint8 tensor over the span of
+        `span_gather`) at `offsets`; enqueued on the current stream on a GPU."""
+        torch.index_select(span, 0, offsets, out=self._samples[first:end])
 
     def flush(self, ring_bytes: torch.Tensor) -> None:
         """Copy the samples of the noted steps out of the ring (`ring_bytes`, the ring as

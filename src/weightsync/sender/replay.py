@@ -25,7 +25,13 @@ import torch
 from weightsync.plan.program import PushProgram
 from weightsync.plan.writes import WriteRun
 from weightsync.sender.digest import DigestSums
-from weightsync.sender.direct import DIRECT_SLOT, BoundStep, SourceMemory, copy_all
+from weightsync.sender.direct import (
+    DIRECT_SLOT,
+    BoundStep,
+    SourceMemory,
+    copy_all,
+    device_tensor,
+)
 
 if TYPE_CHECKING:
     from weightsync.plan.types import TargetRank
@@ -111,6 +117,14 @@ class GraphPush:
         capture = torch.cuda.Stream(device)
         gather = torch.cuda.Stream(device)
         capture.wait_stream(torch.cuda.current_stream(device))
+        # Every sample read by one gather over the span of the trainer's storages (one
+        # kernel, not one per storage: a dense 8B model has 399, a per-expert MoE thousands).
+        plan = (
+            sums.span_gather([(item.step, item.base) for item in bound])
+            if sums is not None
+            else None
+        )
+        self._span = device_tensor(plan[0], plan[1]) if plan is not None else None
         with (
             torch.no_grad(),
             torch.cuda.device(device),
@@ -122,8 +136,8 @@ class GraphPush:
                 # gathers hide behind their bandwidth.
                 gather.wait_stream(capture)
                 with torch.cuda.stream(gather):
-                    for item in bound:
-                        sums.add_direct(item.step, item.storage)
+                    if plan is not None and self._span is not None:
+                        sums.gather_span(self._span, plan[2], plan[3], plan[4])
                     self._digests = sums.sums()
             branches = _branches(dsts, srcs, _BRANCHES)
             streams = [capture] + [torch.cuda.Stream(device) for _ in branches[1:]]
