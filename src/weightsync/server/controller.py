@@ -306,8 +306,8 @@ class ReplicaController:
         return f"Resumed {sorted(wanted)}"
 
     async def flush_cache(self) -> str:
-        """Drop cached state computed with old weights (the engine keeps no prefix cache)."""
-        await self._run(FlushCache(empty_device_cache=False))
+        """Drop cached state computed with old weights: the reference engine keeps none (no
+        prefix cache; each request's KV cache is its own), so nothing runs on the ranks."""
         return "Cache flushed."
 
     async def begin_weight_update(
