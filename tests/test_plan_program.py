@@ -3,6 +3,7 @@ programs; and the sender's filler and config that run them."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -458,9 +459,23 @@ def _run_program(program, stream) -> dict[str, dict[str, torch.Tensor]]:
         storage = storage_bytes(source).numpy()
         for target_writes in step.writes:
             landed = memory.setdefault(target_writes.target.session_id, {})
+            by_writes: dict[int, int] = {}
             for w in target_writes.writes:
                 landed[w.dst_addr] = storage[w.src_offset : w.src_offset + w.num_bytes].tobytes()
+                by_writes.update(_bytes_at(w.dst_addr, landed[w.dst_addr]))
+            # The same copies as pitched blocks (copies into mapped memory) land the same.
+            by_blocks: dict[int, int] = {}
+            for b in target_writes.blocks:
+                for row in range(b.rows):
+                    start = b.src_offset + row * b.src_pitch
+                    data = storage[start : start + b.row_bytes].tobytes()
+                    by_blocks.update(_bytes_at(b.dst_addr + row * b.row_bytes, data))
+            assert by_blocks == by_writes
     return memory
+
+
+def _bytes_at(addr: int, data: bytes) -> dict[int, int]:
+    return {addr + i: byte for i, byte in enumerate(data)}
 
 
 @settings(max_examples=16, deadline=None)
@@ -597,3 +612,96 @@ def test_direct_copies_are_long_runs_of_the_tensor_or_nothing() -> None:
     assert copy(((3, 4), (5, 6))).runs == ((2 * (3 * 4096 + 5), 0, 2),)
     padding = CopyItem(hf_name=None, src_box=(), param_name="p", dst_offset_bytes=0, num_bytes=64)
     assert direct_copy(padding, 0, 0, geometry, dtype="bfloat16", element_size=2, spec=spec) is None
+
+
+def test_direct_blocks_are_a_pitched_copy_per_row_parallel_slice() -> None:
+    from weightsync.plan.direct import DirectCopy
+    from weightsync.plan.writes import PitchedRun, direct_blocks, direct_writes
+
+    info = {"p": (1 << 20, 4096, 2), "q": (1 << 24, 64, 2)}
+    rows = DirectCopy(
+        source=0,
+        layout_id=0,
+        param_name="p",
+        dst_offset_bytes=0,
+        num_bytes=4 * 512,
+        runs=tuple((r * 2048 + 1024, r * 512, 512) for r in range(4)),
+    )
+    halves = [
+        DirectCopy(
+            source=1,
+            layout_id=0,
+            param_name="q",
+            dst_offset_bytes=o,
+            num_bytes=64,
+            runs=((o, o, 64),),
+        )
+        for o in (0, 64)
+    ]
+    assert direct_blocks([rows, *halves], info) == [
+        PitchedRun(1024, 1 << 20, 4, 512, 2048, "p"),
+        PitchedRun(0, 1 << 24, 1, 128, 128, "q"),  # the two halves, merged
+    ]
+    # A list transport gets the same bytes as single runs.
+    assert len(direct_writes([rows, *halves], info)) == 4 + 1
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_copies_into_mapped_memory_land_what_the_writes_do(preset, monkeypatch) -> None:
+    # The sender's copies into a receiver's mapped memory (CUDA IPC) follow the program's
+    # pitched blocks; here the "mapped" parameters are host tensors, the copies the same.
+    from weightsync.export import ModelExport
+    from weightsync.plan import build_plan, simulate_targets
+    from weightsync.plan.direct import DirectSpec
+    from weightsync.plan.program import StagingSpec, lower_push
+    from weightsync.sender.direct import MappedDirect
+    from weightsync.testing.presets import preset_config, random_model
+
+    config = preset_config(preset)
+    export = ModelExport(random_model(config, seed=5).to(torch.bfloat16))
+    targets = simulate_targets(
+        config, tp=2, ep=2 if preset == "tiny-moe" else 1, replicas=2, dtype="bfloat16"
+    )
+    plan = build_plan(
+        hf_config=config,
+        targets=targets,
+        sources=[SourceHolding(rank=0, tensors=export.holding())],
+        dtype="bfloat16",
+    ).for_source(0)
+    staging = StagingSpec(
+        device="cpu",
+        num_slots=2,
+        slot_bytes=1 << 20,
+        chunk_bytes=1 << 16,
+        direct=DirectSpec(devices=("cpu",), min_run_bytes=2),
+    )
+    program = lower_push(plan, export.geometry(), staging)
+    assert any(b.rows > 1 for s in program.direct for t in s.writes for b in t.blocks)
+    params: dict[tuple[str, str, int], torch.Tensor] = {}
+
+    def host_param(self, target, name):
+        addr, numel, size = target.weights_info[name]
+        return params.setdefault(
+            (target.session_id, name, addr), torch.zeros(numel * size, dtype=torch.uint8)
+        )
+
+    monkeypatch.setattr(MappedDirect, "_param", host_param)
+    writer = MappedDirect(None, failed={}, params={})
+    index = {key: i for i, key in enumerate(program.keys)}
+    stream = {index[k]: t for k, t in export if k in index}
+    for step in program.direct:
+        tensors = {c.source: stream[c.source] for c in step.copies}
+        writer.run(step, tensors, storage_bytes(stream[step.source]))
+    # What the writes land (addresses as the target published them) is what was copied.
+    memory = _run_program(dataclasses.replace(program, steps=()), export)
+    for target in targets:
+        for start, data in memory.get(target.session_id, {}).items():
+            name = next(
+                n
+                for n, (addr, numel, size) in target.weights_info.items()
+                if addr <= start < addr + numel * size
+            )
+            addr = target.weights_info[name][0]
+            param = params[(target.session_id, name, addr)]
+            offset = start - addr
+            assert param[offset : offset + len(data)].numpy().tobytes() == data, name

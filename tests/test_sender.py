@@ -754,6 +754,13 @@ def test_tensors_in_the_rollout_dtype_go_direct_from_registered_memory(
     if group == "moe":
         # Gate and up halves of a fused expert tensor go out as one run.
         assert stats.num_writes < stats.num_regions
+    # Rows of any length direct: a row-parallel slice goes out as a write per row.
+    receiver.call(cmd="fill", group=group, value=7.0)
+    rows = WeightSender(_config(direct_min_run_bytes=2), transport=transport)
+    every = rows.push(plan, export)
+    _assert_exact(receiver, group, seed=51)
+    assert every.bytes_direct > stats.bytes_direct and every.digests == stats.digests
+    rows.close()
     staged.close()
     sender.close()
 

@@ -165,3 +165,19 @@ def test_a_direct_push_is_a_cuda_graph_captured_again_after_a_parameter_moved(
         _assert_exact(gpu_receiver, "large", seed=seed)
         assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
     sender.close()
+
+
+def test_row_parallel_slices_are_pitched_copies_into_mapped_memory(
+    gpu_receiver: Receiver, ipc
+) -> None:
+    # tp=2: o_proj and down_proj are column slices of the trainer's tensors; with rows of
+    # any length direct, each is one pitched copy into the receiver's parameter.
+    gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
+    sender = WeightSender(_config(direct_min_run_bytes=2), transport=ipc)
+    export = ModelExport(random_model(TINY, seed=81).to(device="cuda:0", dtype=torch.bfloat16))
+    plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
+    stats = sender.push(plan, export)
+    _assert_exact(gpu_receiver, "tiny", seed=81)
+    assert stats.bytes_direct > 0
+    assert stats.digests == gpu_receiver.call(cmd="digests", group="tiny")
+    sender.close()

@@ -38,7 +38,7 @@ from weightsync.plan.geometry import StreamGeometry, StreamKey, TensorGeometry, 
 from weightsync.plan.items import CopyItem, SourcePlan, StageWork
 from weightsync.plan.packing import Bucket, BucketPacker
 from weightsync.plan.types import TargetRank
-from weightsync.plan.writes import WriteRun, coalesce, direct_writes
+from weightsync.plan.writes import PitchedRun, WriteRun, coalesce, direct_blocks, direct_writes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,13 +87,17 @@ class TargetWrites:
 
     Attributes:
         target: the rollout rank written into.
-        writes: the requests, in order (sources relative to the ring's start).
+        writes: the requests, in order (sources relative to the ring's start; a direct
+            step's relative to its storage's first byte).
         num_regions: destination regions before coalescing.
+        blocks: a direct step's copies as pitched copies, for a sender that copies into
+            the target's mapped memory itself (`weightsync.plan.writes.direct_blocks`).
     """
 
     target: TargetRank
     writes: tuple[WriteRun, ...]
     num_regions: int
+    blocks: tuple[PitchedRun, ...] = ()
 
 
 class SampleSpan(NamedTuple):
@@ -399,6 +403,7 @@ class _Lowering:
                         target=target,
                         writes=tuple(direct_writes(mine, target.weights_info)),
                         num_regions=len(mine),
+                        blocks=tuple(direct_blocks(mine, target.weights_info)),
                     )
                 )
         return tuple(out)

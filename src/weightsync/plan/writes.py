@@ -79,6 +79,69 @@ def direct_writes(
     return _merged(runs)
 
 
+class PitchedRun(NamedTuple):
+    """Rows of equal length, evenly spaced in the source and back to back in one target
+    parameter: a row-parallel slice of a trainer tensor as one 2-D (pitched) copy.
+
+    Attributes:
+        src_offset: first byte of the first row, from the source storage's first byte.
+        dst_addr: the target address of the first row.
+        rows: how many rows.
+        row_bytes: bytes per row.
+        src_pitch: bytes from one row's start to the next in the source.
+        param_name: the parameter written.
+    """
+
+    src_offset: int
+    dst_addr: int
+    rows: int
+    row_bytes: int
+    src_pitch: int
+    param_name: str
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the copy moves."""
+        return self.rows * self.row_bytes
+
+
+def direct_blocks(
+    copies: Sequence[DirectCopy], weights_info: Mapping[str, tuple[int, int, int]]
+) -> list[PitchedRun]:
+    """Direct copies as copies into memory the sender addresses itself: a copy whose runs
+    are evenly spaced rows becomes one pitched copy; the other runs are merged as in
+    `direct_writes` and become copies of one row.
+
+    Raises:
+        ValueError: a copy's parameter is not in the target's ``weights_info``.
+    """
+    blocks: list[PitchedRun] = []
+    runs: list[tuple[int, int, int, str]] = []
+
+    def flush() -> None:
+        blocks.extend(
+            PitchedRun(w.src_offset, w.dst_addr, 1, w.num_bytes, w.num_bytes, w.param_name)
+            for w in _merged(runs)
+        )
+        runs.clear()
+
+    for copy in copies:
+        entry = _entry(weights_info, copy.param_name)
+        pitch = copy.runs[1][0] - copy.runs[0][0] if len(copy.runs) > 1 else 0
+        if pitch > 0 and all(
+            b[0] - a[0] == pitch for a, b in zip(copy.runs, copy.runs[1:], strict=False)
+        ):
+            flush()
+            src, dst, row_bytes = copy.runs[0]
+            blocks.append(
+                PitchedRun(src, entry[0] + dst, len(copy.runs), row_bytes, pitch, copy.param_name)
+            )
+            continue
+        runs += [(src, entry[0] + dst, n, copy.param_name) for src, dst, n in copy.runs]
+    flush()
+    return blocks
+
+
 def _entry(weights_info: Mapping[str, tuple[int, int, int]], name: str) -> tuple[int, int, int]:
     entry = weights_info.get(name)
     if entry is None:

@@ -57,6 +57,9 @@ class SenderConfig:
             them and no cast is needed (`weightsync.plan.direct`): one copy per byte
             instead of two. The trainer's storages are then registered with the transport
             (Mooncake) or read by copies into the receivers' mapped memory (CUDA IPC).
+        direct_min_run_bytes: a strided piece of a trainer tensor (a row-parallel slice) is
+            written directly only when its rows are at least this long; shorter rows are
+            staged (a write request per row would cost more than the copy saves).
         replay: a push that wrote every byte directly is captured (a CUDA graph into mapped
             memory, or bound write lists) and replayed on later syncs while the export's
             tensors stay where they are (`weightsync.sender.replay`): no per-tensor work.
@@ -77,6 +80,7 @@ class SenderConfig:
     check_finite: FiniteCheck = "first"
     digest: bool = True
     direct: bool = True
+    direct_min_run_bytes: int = 4096
     replay: bool = True
 
     def __post_init__(self) -> None:
@@ -86,6 +90,7 @@ class SenderConfig:
             "num_slots",
             "max_outstanding_per_peer",
             "chunk_bytes",
+            "direct_min_run_bytes",
         )
         for name in names:
             value = getattr(self, name)

@@ -167,8 +167,9 @@ class TransportDirect:
 class MappedDirect:
     """Direct steps as copies into the receivers' memory, mapped into this process.
 
-    Each step's writes (its runs, merged where adjacent in the storage and the parameter)
-    become byte copies from the tensors' storage into the mapped parameter.
+    Each step's copies become byte copies from the tensors' storage into the mapped
+    parameter: runs merged where adjacent in the storage and the parameter, and the rows of a
+    row-parallel slice as one pitched copy (`weightsync.plan.writes.direct_blocks`).
 
     Args:
         transport: maps a receiver's registered memory (``local_address``).
@@ -198,13 +199,20 @@ class MappedDirect:
         srcs: list[torch.Tensor] = []
         for target_writes in step.writes:
             target = target_writes.target
-            for write in target_writes.writes:
-                param = self._param(target, write.param_name)
+            for block in target_writes.blocks:
+                param = self._param(target, block.param_name)
                 if param is None:
                     break
-                start = write.dst_addr - target.weights_info[write.param_name][0]
-                dsts.append(param[start : start + write.num_bytes])
-                srcs.append(storage[write.src_offset : write.src_offset + write.num_bytes])
+                start = block.dst_addr - target.weights_info[block.param_name][0]
+                dst = param[start : start + block.num_bytes]
+                if block.rows == 1:
+                    src = storage[block.src_offset : block.src_offset + block.row_bytes]
+                else:
+                    shape = (block.rows, block.row_bytes)
+                    src = storage.as_strided(shape, (block.src_pitch, 1), block.src_offset)
+                    dst = dst.view(shape)
+                dsts.append(dst)
+                srcs.append(src)
         with torch.no_grad():
             copy_all(dsts, srcs)
         self.copies.extend(zip(dsts, srcs, strict=True))

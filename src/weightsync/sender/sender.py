@@ -422,7 +422,9 @@ class WeightSender:
         staging_device = self._staging_device(device)
         direct = DirectSpec()
         if self.config.direct and transport_reads(self._transport, staging_device):
-            direct = DirectSpec(devices=(str(staging_device),))
+            direct = DirectSpec(
+                devices=(str(staging_device),), min_run_bytes=self.config.direct_min_run_bytes
+            )
         return StagingSpec(
             device=str(staging_device),
             num_slots=self.config.num_slots,

@@ -158,6 +158,10 @@ class ReplicaController:
         self._lease: _Session | None = None
         self._incomplete: str | None = None  # why the weights are not a complete update
         self._verified = False  # the last complete update's digests were verified
+        # A fused end's label, sent to the ranks with the session's end (one round trip).
+        self._label_with_end: str | None = None
+        # Inside a fused call its steps log at debug and the call logs one line of them.
+        self._fused_call = False
         self._digest_s = 0.0  # seconds the last session's digests took (slowest rank)
         self._released: set[str] = set()
         self._stopping = False
@@ -221,7 +225,7 @@ class ReplicaController:
         if mode == "abort":
             aborted = await self._queue.abort(lambda _: True, "aborted by pause_generation")
         waited = await self._queue.wait_idle()
-        logger.info("generation paused (mode=%s): %d queued request(s) aborted", mode, aborted)
+        self._log_step("generation paused (mode=%s): %d queued request(s) aborted", mode, aborted)
         message = f"Generation paused (mode={mode}): {aborted} queued request(s) aborted"
         if self._queue.num_queued:
             message += f", {self._queue.num_queued} held until continue_generation"
@@ -253,7 +257,7 @@ class ReplicaController:
             await self._run(FlushCache(empty_device_cache=True))
         self._paused_mode = None
         await self._queue.notify()
-        logger.info("generation continued")
+        self._log_step("generation continued")
         return "Generation continued"
 
     async def abort_request(self, rid: str, abort_all: bool) -> str:
@@ -291,7 +295,7 @@ class ReplicaController:
                 status_code=400,
             )
         self._released |= wanted
-        logger.info("released memory %s; generation refused until resumed", sorted(wanted))
+        self._log_step("released memory %s; generation refused until resumed", sorted(wanted))
         return (
             f"Released {sorted(wanted)}; the reference engine keeps no KV cache between "
             "requests and its parameters stay registered in place"
@@ -302,7 +306,7 @@ class ReplicaController:
         wanted = _tags(tags, default=_KNOWN_TAGS)
         self._released -= wanted
         await self._queue.notify()
-        logger.info("resumed memory %s", sorted(wanted))
+        self._log_step("resumed memory %s", sorted(wanted))
         return f"Resumed {sorted(wanted)}"
 
     async def flush_cache(self) -> str:
@@ -349,7 +353,7 @@ class ReplicaController:
         self._session = "open"
         if lease_s is not None:
             self._arm(session, lease_s)
-        logger.info(
+        self._log_step(
             "weight-update session opened (selector=%s%s)",
             selector,
             f", lease {lease_s:g} s" if lease_s is not None else "",
@@ -421,16 +425,23 @@ class ReplicaController:
         problem = await self._close(session, expected, reason="end_weight_update")
         if problem is not None:
             raise ControlError(problem, status_code=400)
-        logger.info("weight-update session ended (weight version %s)", self._weight_version)
+        self._log_step("weight-update session ended (weight version %s)", self._weight_version)
         return "Weight update session ended"
 
     async def update_weight_version(
-        self, new_version: str, abort_all_requests: bool, *, token: str | None = None
+        self,
+        new_version: str,
+        abort_all_requests: bool,
+        *,
+        token: str | None = None,
+        with_end: bool = False,
     ) -> str:
         """Label the weights every rank holds (and abort queued requests if asked).
 
         Inside a leased session only its holder may; outside a session, not while the
-        weights are incomplete (the label would name weights nobody verified).
+        weights are incomplete (the label would name weights nobody verified). With
+        `with_end` (a fused end, inside a session) the ranks take the label with the
+        session's end, in the same round trip (see `end_weight_sync`).
 
         Raises:
             ControlError: 400 for another holder's token or incomplete weights.
@@ -445,9 +456,12 @@ class ReplicaController:
             )
         if abort_all_requests:
             await self.abort_request("", abort_all=True)
-        await self._run(SetWeightVersion(version=new_version))
+        if with_end and self._session == "open":
+            self._label_with_end = new_version
+        else:
+            await self._run(SetWeightVersion(version=new_version))
         self._weight_version = new_version
-        logger.info("weight version is now %s", new_version)
+        self._log_step("weight version is now %s", new_version)
         return f"Weight version updated to {new_version}"
 
     async def begin_weight_sync(
@@ -483,7 +497,7 @@ class ReplicaController:
         steps.append(
             ("/begin_weight_update", lambda: self.begin_weight_update(selector, lease_s=lease_s))
         )
-        grant = await _run_steps(steps, completed, budget_s)
+        grant = await self._fused("begin_weight_sync", steps, completed, budget_s)
         return grant, tuple(completed)
 
     async def end_weight_sync(
@@ -517,7 +531,9 @@ class ReplicaController:
             steps.append(
                 (
                     "/update_weight_version",
-                    lambda: self.update_weight_version(new_version, False, token=token),
+                    lambda: self.update_weight_version(
+                        new_version, False, token=token, with_end=True
+                    ),
                 )
             )
         steps.append(
@@ -535,7 +551,14 @@ class ReplicaController:
             steps.append(
                 ("/continue_generation", lambda: self.continue_generation(torch_empty_cache))
             )
-        message = await _run_steps(steps, completed, budget_s)
+        try:
+            message = await self._fused("end_weight_sync", steps, completed, budget_s)
+        finally:
+            label, self._label_with_end = self._label_with_end, None
+            if label is not None:
+                # The end refused before it reached the ranks: they take the label alone,
+                # as after a separate update_weight_version.
+                await self._run(SetWeightVersion(version=label))
         return message, tuple(completed)
 
     def _holder(self, token: str | None, route: str) -> _Session:
@@ -587,8 +610,9 @@ class ReplicaController:
         if session.timer is not None:
             session.timer.cancel()
         self._session = "closing"
+        label, self._label_with_end = self._label_with_end, None
         try:
-            checks = await self._run(EndUpdate(expected=expected))
+            checks = await self._run(EndUpdate(expected=expected, version=label))
         except BaseException:
             self._mark_incomplete(f"end of the weight-update session failed ({reason})")
             raise
@@ -782,6 +806,27 @@ class ReplicaController:
         (value, *_) = await self._run(command)
         return value
 
+    async def _fused(
+        self,
+        name: str,
+        steps: Sequence[tuple[str, Callable[[], Awaitable[Any]]]],
+        completed: list[str],
+        budget_s: float | None,
+    ) -> Any:
+        """`_run_steps` for the fused call `name`, logged as one line of its steps."""
+        took: list[str] = []
+        self._fused_call = True
+        try:
+            return await _run_steps(steps, completed, budget_s, took)
+        finally:
+            self._fused_call = False
+            logger.info("%s: %s", name, ", ".join(took) or "no step ran")
+
+    def _log_step(self, message: str, *args: Any) -> None:
+        """Log what a lifecycle step did: at info, or at debug inside a fused call (which
+        logs one info line of all its steps and their times)."""
+        logger.log(logging.DEBUG if self._fused_call else logging.INFO, message, *args)
+
     async def _run(self, command: Command) -> list[Any]:
         """Run `command` on every rank; return each rank's value, or raise the failure."""
         try:
@@ -805,9 +850,10 @@ async def _run_steps(
     steps: Sequence[tuple[str, Callable[[], Awaitable[Any]]]],
     completed: list[str],
     budget_s: float | None,
+    took: list[str],
 ) -> Any:
-    """Run `steps` in order, appending each finished one's route to `completed`; the last
-    step's value.
+    """Run `steps` in order, appending each finished one's route to `completed` (and its
+    route and time to `took`); the last step's value.
 
     Raises:
         StepRefusedError: a step refused, or (504) the call ran past `budget_s`: the pause,
@@ -816,7 +862,6 @@ async def _run_steps(
     """
     deadline = None if budget_s is None else time.monotonic() + budget_s
     value: Any = None
-    took: list[str] = []
     for index, (route, step) in enumerate(steps):
         started = time.perf_counter()
         if deadline is not None and index and time.monotonic() > deadline:
@@ -842,7 +887,6 @@ async def _run_steps(
             raise StepRefusedError(exc, route=route, completed=completed) from exc
         completed.append(route)
         took.append(f"{route} {(time.perf_counter() - started) * 1e3:.2f} ms")
-    logger.debug("steps of one call: %s", ", ".join(took))
     return value
 
 

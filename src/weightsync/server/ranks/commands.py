@@ -35,9 +35,12 @@ class EndUpdate:
     Attributes:
         expected: per tp rank, ``{param_name: digest}`` of what the trainers wrote, or None
             (and an empty tuple) when they sent none.
+        version: the weight version to label the weights with first (a fused
+            ``end_weight_sync`` labels them in the same round trip), or None.
     """
 
     expected: tuple[dict[str, int] | None, ...] = ()
+    version: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

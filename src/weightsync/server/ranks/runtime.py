@@ -302,7 +302,9 @@ class RankRuntime:
                 return {"output_ids": output_ids, "weight_version": self.agent.weight_version}
             case BeginUpdate(selector=selector):
                 return self.agent.begin_update(selector)  # type: ignore[arg-type]
-            case EndUpdate(expected=expected):
+            case EndUpdate(expected=expected, version=version):
+                if version is not None:
+                    self.agent.set_weight_version(version)
                 mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
                 return self.agent.end_update(mine)
             case SetWeightVersion(version=version):
