@@ -82,8 +82,9 @@ class WritePush:
 class GraphPush:
     """A direct push into mapped receiver memory, captured as a CUDA graph.
 
-    Capturing records the copies and the digest gathers without running them; the push
-    they come from already ran them.
+    Capturing records the copies (dealt over two branches of the graph) and, in a branch
+    beside them, the digest samples (one gather over the span of the trainer's storages)
+    without running them; the push they come from already ran them.
 
     Args:
         program: the all-direct program that ran.
@@ -132,8 +133,7 @@ class GraphPush:
         ):
             if sums is not None:
                 # The digest samples are read from the trainer's tensors, which the copies do
-                # not change: a branch of the graph beside the copies, so its many small
-                # gathers hide behind their bandwidth.
+                # not change: a branch of the graph beside the copies, hidden behind them.
                 gather.wait_stream(capture)
                 with torch.cuda.stream(gather):
                     if plan is not None and self._span is not None:
@@ -165,7 +165,8 @@ class GraphPush:
 
 
 # Branches of the graph the copies are dealt over: a graph runs a branch's copies one after
-# the other, with a gap of a few microseconds between two, which a second branch fills.
+# the other, with a gap between two that a second branch fills (on an H200, dense 8B: 8.7 ms
+# against 9.0 with one branch; four were no better than two).
 _BRANCHES = 2
 
 
