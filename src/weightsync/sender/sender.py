@@ -159,8 +159,10 @@ class WeightSender:
         """
         owner = whole if whole is not None else plan
         if owner is not self._plan:
+            # A new plan (new targets, or a replica that came back): nothing of the old one's
+            # programs, captures or mappings of receiver memory is kept.
             self._plan, self._programs, self._digest_sums = owner, [], {}
-            self._captured = {}
+            self._captured, self._mapped_params = {}, {}
         geometry = export.geometry()
         staging = self._staging(plan, geometry)
         for program in self._programs:
