@@ -705,3 +705,40 @@ def test_copies_into_mapped_memory_land_what_the_writes_do(preset, monkeypatch) 
             param = params[(target.session_id, name, addr)]
             offset = start - addr
             assert param[offset : offset + len(data)].numpy().tobytes() == data, name
+
+
+def test_source_memory_registers_each_storage_once_and_drops_stale_ones() -> None:
+    from weightsync.sender.direct import SourceMemory
+    from weightsync.transport.base import RegionTable
+
+    class Recording:
+        def __init__(self) -> None:
+            self.table = RegionTable()
+            self.calls: list[tuple[str, int]] = []
+
+        def register(self, addr: int, num_bytes: int) -> None:
+            self.table.add(addr, num_bytes)  # raises ValueError on an overlap
+            self.calls.append(("register", addr))
+
+        def unregister(self, addr: int) -> None:
+            self.table.remove(addr)
+            self.calls.append(("unregister", addr))
+
+    transport = Recording()
+    memory = SourceMemory.of(transport)
+    assert SourceMemory.of(transport) is memory  # the senders of one transport share it
+    memory.start()
+    memory.ensure(0x1000, 0x1000)
+    memory.ensure(0x1000, 0x1000)  # registered once
+    memory.ensure(0x4000, 0x100)
+    assert transport.calls == [("register", 0x1000), ("register", 0x4000)]
+    # The next push reads new memory where the first storage was: the stale one goes.
+    memory.start()
+    memory.ensure(0x4000, 0x100)
+    memory.ensure(0x1800, 0x1000)
+    assert transport.calls[2:] == [("unregister", 0x1000), ("register", 0x1800)]
+    # A storage that grew in place is registered again at its new size.
+    memory.ensure(0x4000, 0x200)
+    assert transport.calls[4:] == [("unregister", 0x4000), ("register", 0x4000)]
+    memory.release()
+    assert len(transport.table) == 0
