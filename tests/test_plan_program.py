@@ -19,8 +19,8 @@ from weightsync.plan.copies import fuse_copies
 from weightsync.plan.packing import BucketPacker, Region, SourceBox, box_range
 from weightsync.plan.writes import coalesce
 from weightsync.sender import SenderConfig
-from weightsync.sender.direct import storage_bytes
 from weightsync.sender.fill import SlotFiller
+from weightsync.torch_dtypes import storage_bytes
 
 
 def _read(tensor: torch.Tensor, box) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Between weightsync's dtype names (`weightsync.layout.dtypes`) and torch dtypes."""
+"""Between weightsync's dtype names (`weightsync.layout.dtypes`) and torch dtypes, and the
+raw bytes of a tensor's storage."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ def dtype_name(dtype: torch.dtype | str) -> str:
         ValueError: not a dtype weightsync moves.
     """
     return canonical_dtype_name(dtype)
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s whole storage as a 1-D uint8 tensor (a view of the same memory, on the
+    tensor's device)."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from weightsync.layout.digest import WEIGHT_MODULUS, WEIGHT_MULTIPLIER, sample_stride
+from weightsync.torch_dtypes import storage_bytes
 
 
 class ParameterDigests:
@@ -31,11 +32,8 @@ class ParameterDigests:
         base = torch.zeros(len(tensors), dtype=torch.int64)
         self._groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for members in groups.values():
-            storage = tensors[members[0]].untyped_storage()
-            view = torch.empty(0, dtype=torch.uint8, device=self._device).set_(
-                storage, 0, (storage.nbytes(),), (1,)
-            )
-            starts = [tensors[i].data_ptr() - storage.data_ptr() for i in members]
+            view = storage_bytes(tensors[members[0]])
+            starts = [tensors[i].data_ptr() - view.data_ptr() for i in members]
             offsets, weights, slots = sample_table(
                 [tensors[i].nbytes for i in members], starts, members
             )

@@ -45,14 +45,6 @@ def storage_base(tensor: torch.Tensor) -> int:
     return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
 
 
-def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s whole storage as a 1-D uint8 tensor (a view of the same memory)."""
-    storage = tensor.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-        storage, 0, (storage.nbytes(),), (1,)
-    )
-
-
 @dataclass(slots=True)
 class BoundStep:
     """What one direct step read in one execution: its tensors (by program index), their

@@ -31,11 +31,11 @@ from weightsync.plan.direct import DirectStep
 from weightsync.plan.geometry import TensorGeometry
 from weightsync.plan.program import ChunkStep, PushProgram
 from weightsync.sender.digest import DigestSums
-from weightsync.sender.direct import MappedDirect, TransportDirect, storage_bytes
+from weightsync.sender.direct import MappedDirect, TransportDirect
 from weightsync.sender.fill import SlotFiller, record_events
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.writes import WriteQueue
-from weightsync.torch_dtypes import torch_dtype
+from weightsync.torch_dtypes import storage_bytes, torch_dtype
 
 
 @dataclass(slots=True)
