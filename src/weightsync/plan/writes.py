@@ -67,16 +67,24 @@ def direct_writes(
 ) -> list[WriteRun]:
     """Direct copies (`weightsync.plan.direct`) as writes to one target: each copy's runs,
     sources as byte offsets from their storage's first byte, adjacent runs of one parameter
-    merged (an expert's gate and up halves of one fused tensor land side by side).
+    merged (an expert's gate and up halves of one fused tensor land side by side). The rows
+    of `direct_blocks`, one write each.
 
     Raises:
         ValueError: a copy's parameter is not in the target's ``weights_info``.
     """
-    runs = []
-    for copy in copies:
-        entry = _entry(weights_info, copy.param_name)
-        runs += [(src, entry[0] + dst, n, copy.param_name) for src, dst, n in copy.runs]
-    return _merged(runs)
+    return _merged(
+        [
+            (
+                b.src_offset + r * b.src_pitch,
+                b.dst_addr + r * b.row_bytes,
+                b.row_bytes,
+                b.param_name,
+            )
+            for b in direct_blocks(copies, weights_info)
+            for r in range(b.rows)
+        ]
+    )
 
 
 class PitchedRun(NamedTuple):
