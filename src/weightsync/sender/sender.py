@@ -295,10 +295,17 @@ class WeightSender:
             digests=digests,
             digest_seconds=digest_seconds,
         )
-        if failed:
-            self._queue.drain()
-            raise _partial(failed, stats, num_targets=len(program.counters.bytes_per_target))
-        return stats
+        return self._finished(program, stats)
+
+    def _finished(self, program: PushProgram, stats: PushStats) -> PushStats:
+        """`stats` of a push that ended; raises, after draining, when a target failed (and
+        drops the program's captured push, so the next push writes from the stream)."""
+        failed = self._queue.failed
+        if not failed:
+            return stats
+        self._queue.drain()
+        self._captured.pop(id(program), None)
+        raise _partial(failed, stats, num_targets=len(program.counters.bytes_per_target))
 
     def _replays(self, program: PushProgram) -> bool:
         """Whether pushes of `program` are captured and replayed."""
@@ -381,12 +388,7 @@ class WeightSender:
             digest_seconds=time.perf_counter() - t1,
             replayed=True,
         )
-        failed = self._queue.failed
-        if failed:
-            self._queue.drain()
-            self._captured.pop(id(program), None)
-            raise _partial(failed, stats, num_targets=len(program.counters.bytes_per_target))
-        return stats
+        return self._finished(program, stats)
 
     def release(self) -> None:
         """Unregister and free the staging memory (e.g. before a trainer checkpoint save),
