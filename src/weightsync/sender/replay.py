@@ -107,6 +107,8 @@ class GraphPush:
     ) -> None:
         self.program = program
         self.key = key
+        # Held for the graph's lifetime: it reads and writes the memory of these tensors
+        # (the trainer's, the copies' views, the digest buffers) by address.
         self._bound = bound
         self._copies = copies
         self._sums = sums

@@ -557,8 +557,12 @@ class ReplicaController:
             label, self._label_with_end = self._label_with_end, None
             if label is not None:
                 # The end refused before it reached the ranks: they take the label alone,
-                # as after a separate update_weight_version.
-                await self._run(SetWeightVersion(version=label))
+                # as after a separate update_weight_version; a failure to label them is
+                # logged, and the step's own answer stands.
+                try:
+                    await self._run(SetWeightVersion(version=label))
+                except ControlError as exc:
+                    logger.warning("labelling the ranks %s failed: %s", label, exc)
         return message, tuple(completed)
 
     def _holder(self, token: str | None, route: str) -> _Session:
