@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -65,6 +65,8 @@ class ProgramRun:
         digests: sums the digest samples of each chunk once it is filled (None: no digest).
         direct: runs the program's direct steps (`weightsync.sender.direct`); needed when
             the program has any.
+        table: the program's `arrival_table`, when the caller keeps it between pushes
+            (computed here otherwise).
     """
 
     def __init__(
@@ -76,10 +78,12 @@ class ProgramRun:
         queue: WriteQueue,
         digests: DigestSums | None = None,
         direct: TransportDirect | MappedDirect | None = None,
+        table: ArrivalTable | None = None,
     ) -> None:
         if program.direct and direct is None:
             raise ValueError("the program writes directly from its tensors: pass direct=")
         self._program = program
+        self._table = table if table is not None else arrival_table(program)
         self._direct = direct
         self._digests = digests
         self._ring = ring
@@ -105,11 +109,8 @@ class ProgramRun:
                 before anything of that tensor is staged.
         """
         program = self._program
-        index = {key: i for i, key in enumerate(program.keys)}
-        expected = _arrival_keys(program.tensors)
+        index, expected, direct, direct_sources = self._table
         steps = program.steps
-        direct = {step.after: step for step in program.direct}
-        direct_sources = {copy.source for step in program.direct for copy in step.copies}
         arrived_direct: dict[int, Any] = {}
         held: list[Any] = [None] * len(expected)
         storages: dict[int, int] = {}
@@ -263,6 +264,33 @@ class ProgramRun:
             f"{where} lies in memory as {actual}, but the push was planned for "
             f"{program.tensors[position]}; the export's stream must match its geometry()"
         )
+
+
+class ArrivalTable(NamedTuple):
+    """What `ProgramRun.execute` looks each arriving tensor up in: fixed per program.
+
+    Attributes:
+        index: ``{stream key: program index}``.
+        expected: each tensor's geometry as the tensor answers it (`_arrival_keys`).
+        direct: the direct steps by how many tensors must have arrived before each runs.
+        direct_sources: the program indices of the tensors direct steps read.
+    """
+
+    index: dict[str, int]
+    expected: list[tuple]
+    direct: dict[int, DirectStep]
+    direct_sources: frozenset[int]
+
+
+def arrival_table(program: PushProgram) -> ArrivalTable:
+    """`program`'s `ArrivalTable` (a pass over its tensors: a caller that pushes the same
+    program again keeps it)."""
+    return ArrivalTable(
+        index={key: i for i, key in enumerate(program.keys)},
+        expected=_arrival_keys(program.tensors),
+        direct={step.after: step for step in program.direct},
+        direct_sources=frozenset(c.source for step in program.direct for c in step.copies),
+    )
 
 
 def _arrival_keys(tensors: Sequence[TensorGeometry]) -> list[tuple]:

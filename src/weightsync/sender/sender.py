@@ -18,7 +18,7 @@ from weightsync.plan.types import SourceHolding
 from weightsync.sender.config import SenderConfig
 from weightsync.sender.digest import DigestSums
 from weightsync.sender.direct import MappedDirect, SourceMemory, TransportDirect, wait_stream
-from weightsync.sender.executor import ProgramRun
+from weightsync.sender.executor import ArrivalTable, ProgramRun, arrival_table
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
 from weightsync.sender.staging import StagingRing, transport_reads
@@ -93,6 +93,7 @@ class WeightSender:
         self._sources = SourceMemory.of(transport)
         self._holding: SourceHolding | None = None
         self._captured: dict[int, CapturedPush] = {}  # by id() of a program in _programs
+        self._tables: dict[int, tuple[PushProgram, ArrivalTable]] = {}  # the same
         # Receiver parameters mapped into this process, by (session, name, address).
         self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
         self._closed = False
@@ -162,7 +163,7 @@ class WeightSender:
             # A new plan (new targets, or a replica that came back): nothing of the old one's
             # programs, captures or mappings of receiver memory is kept.
             self._plan, self._programs, self._digest_sums = owner, [], {}
-            self._captured, self._mapped_params = {}, {}
+            self._captured, self._mapped_params, self._tables = {}, {}, {}
         geometry = export.geometry()
         staging = self._staging(plan, geometry)
         for program in self._programs:
@@ -174,6 +175,7 @@ class WeightSender:
         kept = {id(p) for p in self._programs}
         self._digest_sums = {k: v for k, v in self._digest_sums.items() if k in kept}
         self._captured = {k: v for k, v in self._captured.items() if k in kept}
+        self._tables = {k: v for k, v in self._tables.items() if k in kept}
         return program, False
 
     def preflight(self, plan: SourcePlan, export: WeightExport) -> None:
@@ -269,8 +271,18 @@ class WeightSender:
             return self._replay(captured, sums, start=start, lowered=lowered)
         ring = self._ring_for(program.staging) if program.steps else None
         writer = self._direct_writer(program, device) if program.direct else None
+        entry = self._tables.get(id(program))
+        if entry is None or entry[0] is not program:
+            entry = self._tables[id(program)] = (program, arrival_table(program))
+        table = entry[1]
         run = ProgramRun(
-            program, ring=ring, filler=self._filler, queue=self._queue, digests=sums, direct=writer
+            program,
+            ring=ring,
+            filler=self._filler,
+            queue=self._queue,
+            digests=sums,
+            direct=writer,
+            table=table,
         )
         try:
             run.execute(iter(export))
