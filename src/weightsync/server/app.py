@@ -64,6 +64,8 @@ from weightsync.server.extensions import ServerExtension
 from weightsync.server.http import (
     SUCCESS_400,
     ControlError,
+    DirectRoute,
+    DirectRoutes,
     bearer_auth,
     describe_validation_as_400,
     error_response,
@@ -79,11 +81,13 @@ def create_main_app(
     *,
     api_key: str | None = None,
     extensions: Sequence[ServerExtension] = (),
+    direct_routes: bool = True,
 ) -> FastAPI:
     """The main server's app over `controller`; see the module docstring for status codes.
 
     With `api_key`, every route but ``/health`` and ``/ready`` needs ``Authorization: Bearer
-    <api_key>`` (as SGLang). Each of `extensions` adds its routes.
+    <api_key>`` (as SGLang). Each of `extensions` adds its routes. With `direct_routes` the
+    fused lifecycle calls skip the framework (`DirectRoutes`), answering as its routes do.
     """
     app = FastAPI(
         title="weightsync reference rollout server",
@@ -292,7 +296,9 @@ def create_main_app(
         )
 
     if WEIGHT_SYNC_FUSED in controller.capabilities:
-        _add_fused_routes(app, controller, authorized)
+        fused = _add_fused_routes(app, controller, authorized)
+        if direct_routes:
+            app.add_middleware(DirectRoutes, routes=fused, api_key=api_key)
 
     @app.get(
         "/get_weight_version",
@@ -342,23 +348,17 @@ STEP_REFUSED: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _add_fused_routes(app: FastAPI, controller: ReplicaController, authorized: list) -> None:
-    """``/begin_weight_sync`` and ``/end_weight_sync`` (capability ``weight_sync_fused``)."""
+def _add_fused_routes(
+    app: FastAPI, controller: ReplicaController, authorized: list
+) -> tuple[DirectRoute, ...]:
+    """``/begin_weight_sync`` and ``/end_weight_sync`` (capability ``weight_sync_fused``);
+    returns them as direct routes over the same handlers (`DirectRoutes`)."""
 
     def refused(exc: StepRefusedError) -> JSONResponse:
         body = {"success": False, "message": str(exc), "completed": list(exc.completed)}
         return JSONResponse({**body, "route": exc.route}, status_code=exc.status_code)
 
-    @app.post(
-        "/begin_weight_sync",
-        response_model=WeightSyncStepResponse,
-        dependencies=authorized,
-        responses={**error_responses(), **STEP_REFUSED},
-    )
-    async def begin_weight_sync(body: BeginWeightSyncRequest | None = None) -> Any:
-        """``pause_generation``, ``release_memory_occupation(["kv_cache"])`` and
-        ``begin_weight_update``, in that order, in one call; a step that refuses answers with
-        its own status and message, names itself in ``route`` and stops the rest."""
+    async def begin(body: BeginWeightSyncRequest | None) -> JSONResponse:
         body = body or BeginWeightSyncRequest()
         try:
             grant, completed = await controller.begin_weight_sync(
@@ -377,18 +377,7 @@ def _add_fused_routes(app: FastAPI, controller: ReplicaController, authorized: l
             extra["changed_outside"] = list(grant.changed_outside)
         return success_body(True, grant.message, **extra)
 
-    @app.post(
-        "/end_weight_sync",
-        response_model=WeightSyncStepResponse,
-        dependencies=authorized,
-        responses={**error_responses(), **STEP_REFUSED},
-    )
-    async def end_weight_sync(body: EndWeightSyncRequest) -> Any:
-        """``update_weight_version``, ``end_weight_update`` (verifying ``digests``), then
-        ``resume_memory_occupation(["kv_cache"])``, ``flush_cache`` and
-        ``continue_generation``, in that order, in one call; a step that refuses answers
-        with its own status and message, names itself in ``route`` and stops the rest (a
-        failed verification leaves the replica paused)."""
+    async def end(body: EndWeightSyncRequest) -> JSONResponse:
         try:
             message, completed = await controller.end_weight_sync(
                 new_version=body.new_version,
@@ -402,3 +391,34 @@ def _add_fused_routes(app: FastAPI, controller: ReplicaController, authorized: l
         except StepRefusedError as exc:
             return refused(exc)
         return success_body(True, message, completed=list(completed))
+
+    @app.post(
+        "/begin_weight_sync",
+        response_model=WeightSyncStepResponse,
+        dependencies=authorized,
+        responses={**error_responses(), **STEP_REFUSED},
+    )
+    async def begin_weight_sync(body: BeginWeightSyncRequest | None = None) -> Any:
+        """``pause_generation``, ``release_memory_occupation(["kv_cache"])`` and
+        ``begin_weight_update``, in that order, in one call; a step that refuses answers with
+        its own status and message, names itself in ``route`` and stops the rest."""
+        return await begin(body)
+
+    @app.post(
+        "/end_weight_sync",
+        response_model=WeightSyncStepResponse,
+        dependencies=authorized,
+        responses={**error_responses(), **STEP_REFUSED},
+    )
+    async def end_weight_sync(body: EndWeightSyncRequest) -> Any:
+        """``update_weight_version``, ``end_weight_update`` (verifying ``digests``), then
+        ``resume_memory_occupation(["kv_cache"])``, ``flush_cache`` and
+        ``continue_generation``, in that order, in one call; a step that refuses answers
+        with its own status and message, names itself in ``route`` and stops the rest (a
+        failed verification leaves the replica paused)."""
+        return await end(body)
+
+    return (
+        DirectRoute("/begin_weight_sync", BeginWeightSyncRequest, begin, body_required=False),
+        DirectRoute("/end_weight_sync", EndWeightSyncRequest, end),
+    )
