@@ -90,28 +90,50 @@ def test_every_term_fits_an_int64_however_large_the_parameter() -> None:
     assert 256 * ((1 << 31) - 1) * count < 1 << 63
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
-def test_the_replica_sums_match_the_reference_per_parameter(dtype: torch.dtype) -> None:
+def test_the_replica_sums_match_the_reference_per_parameter(
+    dtype: torch.dtype, device: str
+) -> None:
     torch.manual_seed(0)
     # Some parameters in one flat buffer (carved), the others each in their own storage.
-    flat = torch.randint(0, 255, (10_000,), dtype=torch.uint8)
+    flat = torch.randint(0, 255, (10_000,), dtype=torch.uint8, device=device)
     params = {
         "carved.a": flat[:4000].view(dtype),
         "carved.b": flat[4000:9000].view(dtype),
-        "own.c": (torch.randn(333) * 100).to(dtype),
-        "own.d": torch.ones(1).to(dtype),
+        "own.c": (torch.randn(333, device=device) * 100).to(dtype),
+        "own.d": torch.ones(1, device=device).to(dtype),
     }
     digests = ParameterDigests(params)
     for name, value in digests.compute().items():
-        raw = params[name].contiguous().view(torch.uint8).numpy().tobytes()
-        assert value == digest_of(raw), name
+        assert value == digest_of(_raw(params[name])), name
     before = digests.compute()
+    # Written in place, as a sync writes (on a GPU: the captured graph reads the new bytes).
     params["carved.b"].view(torch.uint8)[0] += 1  # sample 0 of carved.b
+    params["own.d"].view(torch.uint8)[-1] += 1  # the last byte, a sample of its own
     again = digests.compute()
     assert again["carved.b"] != before["carved.b"]
-    assert again["carved.b"] == digest_of(params["carved.b"].view(torch.uint8).numpy().tobytes())
-    assert {k: v for k, v in again.items() if k != "carved.b"} == {
-        k: v for k, v in before.items() if k != "carved.b"
+    assert again["carved.b"] == digest_of(_raw(params["carved.b"]))
+    assert again["own.d"] == digest_of(_raw(params["own.d"])) != before["own.d"]
+    changed = {"carved.b", "own.d"}
+    assert {k: v for k, v in again.items() if k not in changed} == {
+        k: v for k, v in before.items() if k not in changed
     }
 
 
