@@ -24,6 +24,7 @@ from weightsync.errors import RemoteReplicaError
 from weightsync.layout.parallelism import ParallelismConfig
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+_JSON = {"Content-Type": "application/json"}
 
 
 class AsyncHttpClient:
@@ -93,17 +94,22 @@ class AsyncHttpClient:
         method: str,
         route: str,
         *,
-        body: BaseModel | dict[str, Any] | None = None,
+        body: BaseModel | dict[str, Any] | bytes | None = None,
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         check: bool = True,
     ) -> HttpReply:
-        """Send one request and return its 2xx reply (any reply, without `check`).
+        """Send one request with a JSON `body` (a model, a dict, or bytes already encoded)
+        and return its 2xx reply (any reply, without `check`).
 
         Raises:
             RemoteReplicaError: no reply, or (with `check`) a reply that is not a 2xx.
         """
-        payload = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
+        if isinstance(body, BaseModel):
+            # pydantic's encoder: a sync's digests (hundreds of entries) in microseconds.
+            body = body.model_dump_json().encode()
+        json_body, data = (None, body) if isinstance(body, bytes) else (body, None)
+        headers = _JSON if data is not None else None
         timeout = aiohttp.ClientTimeout(
             total=timeout_s if timeout_s is not None else self._timeout_s
         )
@@ -111,7 +117,9 @@ class AsyncHttpClient:
             async with self._session_here().request(
                 method,
                 self._base_url + route,
-                json=payload,
+                json=json_body,
+                data=data,
+                headers=headers,
                 params=params,
                 timeout=timeout,
             ) as reply:

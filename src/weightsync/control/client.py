@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel
+
 from weightsync.control.base import AsyncHttpClient
 from weightsync.control.models import (
     AbortRequestRequest,
@@ -449,15 +451,14 @@ class RolloutClient(AsyncHttpClient):
         return data
 
     async def _fused(
-        self, route: str, body: dict[str, Any], timeout_s: float | None
+        self, route: str, body: bytes, timeout_s: float | None
     ) -> WeightSyncStepResponse:
         response = await self._call("POST", route, body=body, timeout_s=timeout_s, check=False)
         try:
-            refusal = WeightSyncStepResponse.model_validate(response.json())
+            reply = WeightSyncStepResponse.model_validate_json(response.content)
         except ValueError:  # not JSON, or not this shape: judged below as any reply
-            refusal = None
-        if refusal is not None and refusal.route is not None and not refusal.success:
-            reply = refusal
+            reply = None
+        if reply is not None and reply.route is not None and not reply.success:
             raise LifecycleStepError(
                 f"replica {self.base_url}: {reply.route} (in {route}) refused: {reply.message}",
                 replica=self.base_url,
@@ -466,7 +467,8 @@ class RolloutClient(AsyncHttpClient):
                 completed=tuple(reply.completed),
             )
         check_reply(response, replica=self.base_url, route=route)
-        reply = self._parse(response, WeightSyncStepResponse, route=route)
+        if reply is None:
+            reply = self._parse(response, WeightSyncStepResponse, route=route)
         self._check_success(reply, route=route, status_code=response.status_code)
         return reply
 
@@ -486,7 +488,7 @@ class RolloutClient(AsyncHttpClient):
             )
 
 
-def _without_none(body: Any) -> dict[str, Any]:
+def _without_none(body: BaseModel) -> bytes:
     """`body` as JSON without its unset extension fields, so a server that does not know
     them (SGLang) sees SGLang's body."""
-    return body.model_dump(mode="json", exclude_none=True)
+    return body.model_dump_json(exclude_none=True).encode()

@@ -20,8 +20,10 @@ with the fused lifecycle off, also ``/begin_weight_sync`` and ``/end_weight_sync
 ``weight_sync_fused``): the update lifecycle's eight calls in two, each step answering as its
 own route would.
 
-Handlers never block the event loop: the engine runs in rank 0's engine thread and handlers
-await its futures, so ``/server_info`` answers during a long generation or weights check.
+Handlers never wait on the engine in the event loop: the engine runs in rank 0's engine
+thread and handlers await its futures, so ``/server_info`` answers during a long generation
+or weights check. (A tp=1 replica's idle engine runs a session's begin and end and a label,
+each well under a millisecond, in the handler's thread: `EngineDriver.submit`.)
 """
 
 from __future__ import annotations

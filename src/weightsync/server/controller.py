@@ -336,7 +336,7 @@ class ReplicaController:
         _check_lease(lease_s)
         self._session = "opening"
         try:
-            checks = await self._run(BeginUpdate(selector=selector))
+            checks = await self._run(BeginUpdate(selector=selector), inline=True)
         except BaseException:
             self._session = "closed"
             await self._queue.notify()
@@ -459,7 +459,7 @@ class ReplicaController:
         if with_end and self._session == "open":
             self._label_with_end = new_version
         else:
-            await self._run(SetWeightVersion(version=new_version))
+            await self._run(SetWeightVersion(version=new_version), inline=True)
         self._weight_version = new_version
         self._log_step("weight version is now %s", new_version)
         return f"Weight version updated to {new_version}"
@@ -616,7 +616,7 @@ class ReplicaController:
         self._session = "closing"
         label, self._label_with_end = self._label_with_end, None
         try:
-            checks = await self._run(EndUpdate(expected=expected, version=label))
+            checks = await self._run(EndUpdate(expected=expected, version=label), inline=True)
         except BaseException:
             self._mark_incomplete(f"end of the weight-update session failed ({reason})")
             raise
@@ -831,10 +831,13 @@ class ReplicaController:
         logs one info line of all its steps and their times)."""
         logger.log(logging.DEBUG if self._fused_call else logging.INFO, message, *args)
 
-    async def _run(self, command: Command) -> list[Any]:
-        """Run `command` on every rank; return each rank's value, or raise the failure."""
+    async def _run(self, command: Command, *, inline: bool = False) -> list[Any]:
+        """Run `command` on every rank; return each rank's value, or raise the failure.
+        `inline`: a short command, which the driver may run in this thread (see
+        `EngineDriver.submit`)."""
         try:
-            replies = await asyncio.wrap_future(self._driver.submit(command))
+            future = self._driver.submit(command, inline=inline)
+            replies = future.result() if future.done() else await asyncio.wrap_future(future)
         except EngineStoppedError as exc:
             logger.error("the engine is not running: %s", exc)
             raise ControlError(
