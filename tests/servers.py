@@ -21,13 +21,16 @@ __all__ = ["ServedReplica", "app_in_thread", "serve_replicas", "start_replicas",
 
 
 @contextlib.contextmanager
-def app_in_thread(app, *, host: str = "127.0.0.1", timeout_s: float = 30.0) -> Iterator[str]:
+def app_in_thread(
+    app, *, host: str = "127.0.0.1", timeout_s: float = 30.0, **config
+) -> Iterator[str]:
     """Serve an ASGI app with uvicorn on a free port in a thread of this process; yield its
-    base URL once it accepts connections, stop it on exit."""
+    base URL once it accepts connections, stop it on exit. `config`: more `uvicorn.Config`
+    settings."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

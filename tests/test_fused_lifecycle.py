@@ -105,11 +105,19 @@ def test_the_manager_fuses_where_advertised_and_makes_eight_calls_elsewhere(
     calls: list[tuple[str, str]] = []
     original = AsyncHttpClient._call
 
+    quick = AsyncHttpClient._post_quick
+
     async def recorded(self, method, route, **kwargs):
         calls.append((self.base_url, route))
         return await original(self, method, route, **kwargs)
 
+    async def recorded_quick(self, route, body, **kwargs):
+        calls.append((self.base_url, route))
+        return await quick(self, route, body, **kwargs)
+
+    # The fused calls go over the client's keep-alive connection, the others over aiohttp.
     monkeypatch.setattr(AsyncHttpClient, "_call", recorded)
+    monkeypatch.setattr(AsyncHttpClient, "_post_quick", recorded_quick)
     config = ws.SyncConfig(
         control=ws.ControlConfig(api_key=API_KEY, check_weight_update_equal=True),
         sender=ws.SenderConfig(bucket_bytes=1 << 20),

@@ -14,6 +14,7 @@ from typing import Any, Self, TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from weightsync.control.connection import KeepAliveConnection
 from weightsync.control.models import (
     ParallelismConfigModel,
     TransferEngineInfoResponse,
@@ -51,6 +52,12 @@ class AsyncHttpClient:
         # outside any loop: the session is made by the first call, on that call's loop.
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        # The calls a sync makes while generation waits go over one lean connection.
+        self._keep_alive = (
+            KeepAliveConnection(self._base_url, headers=self._headers)
+            if self._base_url.startswith("http://")
+            else None
+        )
         self._closed = False
 
     @property
@@ -64,6 +71,8 @@ class AsyncHttpClient:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+        if self._keep_alive is not None:
+            await self._keep_alive.aclose()
 
     def _session_here(self) -> aiohttp.ClientSession:
         """The pool of the running event loop (a new one if the last call ran on another)."""
@@ -133,6 +142,27 @@ class AsyncHttpClient:
         if check:
             check_reply(response, replica=self._base_url, route=route)
         return response
+
+    async def _post_quick(self, route: str, body: bytes, *, timeout_s: float | None) -> HttpReply:
+        """``POST`` `body` (JSON) over the keep-alive connection (aiohttp for an https
+        server) and return the reply, whatever its status.
+
+        Raises:
+            RemoteReplicaError: no reply.
+        """
+        if self._keep_alive is None:
+            return await self._call("POST", route, body=body, timeout_s=timeout_s, check=False)
+        if self._closed:
+            raise RuntimeError(f"the client of {self._base_url} is closed")
+        try:
+            return await self._keep_alive.request(
+                "POST",
+                route,
+                body,
+                timeout_s=timeout_s if timeout_s is not None else self._timeout_s,
+            )
+        except OSError as exc:  # TimeoutError and ConnectionError among them
+            raise unreachable(exc, replica=self._base_url, route=route) from exc
 
     def _json(self, response: HttpReply, *, route: str) -> Any:
         """The JSON body of a reply.

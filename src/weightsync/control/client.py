@@ -453,7 +453,7 @@ class RolloutClient(AsyncHttpClient):
     async def _fused(
         self, route: str, body: bytes, timeout_s: float | None
     ) -> WeightSyncStepResponse:
-        response = await self._call("POST", route, body=body, timeout_s=timeout_s, check=False)
+        response = await self._post_quick(route, body, timeout_s=timeout_s)
         try:
             reply = WeightSyncStepResponse.model_validate_json(response.content)
         except ValueError:  # not JSON, or not this shape: judged below as any reply
