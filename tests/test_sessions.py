@@ -215,3 +215,25 @@ def test_sglang_style_sessions_still_work_but_are_not_verified(replica, trainer,
         call(replica, "end_weight_update")
     assert "without a complete update" in weights_state(replica)["incomplete_reason"]
     serve_again(trainer, seed=12)
+
+
+def test_the_manager_renews_the_lease_through_a_push_longer_than_it(replica) -> None:
+    # Last in the module: the push writes nothing, so the update it ends is unverified.
+    from weightsync.manager import PushSummary, SyncManager
+
+    lease_s = 1.0
+
+    async def slow_push(targets, epoch) -> PushSummary:
+        await asyncio.sleep(2.5 * lease_s)  # the lease would lapse twice over
+        return PushSummary(bytes_written=0, bytes_staged=0, num_writes=0, num_regions=0)
+
+    async def run():
+        config = ControlConfig(lease_s=lease_s, lifecycle_timeout_s=10.0)
+        async with SyncManager([replica], config) as manager:
+            return await manager.update_weights(slow_push)
+
+    report = asyncio.run(run())
+    assert report.replicas == (replica,)
+    assert report.phases.push >= 2.5 * lease_s
+    assert weights_state(replica)["complete"] is True
+    assert call(replica, "get_server_info")["state"]["weight_update_session"] == "closed"

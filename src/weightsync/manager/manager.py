@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from weightsync.control import RolloutClient
 from weightsync.control.protocol import (
@@ -36,6 +36,7 @@ from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
 from weightsync.plan import TargetRank
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A fused call's server-side budget is one call's deadline; the reply may take this longer.
 _REPLY_MARGIN_S = 1.0
@@ -265,14 +266,22 @@ class SyncManager:
         live = await self._first_contact(tuple(self._replicas), dropped)
         new_version = self._next_version(version, live)
         # Renewing from the start: a fused begin opens sessions while others' calls may still
-        # run out their deadlines (and the failed ones are resumed), longer than a lease.
-        renewal = asyncio.create_task(self._renew_leases(live))
+        # run out their deadlines (and the failed ones are resumed), longer than a lease. A
+        # timer starts the renewals a third of a lease in: most syncs end long before.
+        loop = asyncio.get_running_loop()
+        renewal: list[asyncio.Task[None]] = []
+        timer = loop.call_later(
+            self._config.lease_s / 3,
+            lambda: renewal.append(loop.create_task(self._renew_leases(live))),
+        )
         try:
             live = await self._open(live, dropped)
             return await self._update(push, live, new_version, dropped, t0)
         finally:
-            renewal.cancel()
-            await asyncio.gather(renewal, return_exceptions=True)
+            timer.cancel()
+            for task in renewal:
+                task.cancel()
+            await asyncio.gather(*renewal, return_exceptions=True)
             self._unhealthy = dict(dropped)
             if dropped:
                 logger.error(
@@ -341,13 +350,17 @@ class SyncManager:
 
         compare_pending = not self._checked and any(u in self._armed for u in live)
         fused = () if compare_pending else tuple(u for u in live if self._fused(u))
-        (
-            (verified, unfinished),
-            (verified_fused, unfinished_fused, resume_failed),
-        ) = await asyncio.gather(
-            self._finish(tuple(u for u in live if u not in fused), new_version, summary, targets),
-            self._finish_fused(fused, new_version, summary, targets),
-        )
+        plain = tuple(u for u in live if u not in fused)
+        finish_plain = self._finish(plain, new_version, summary, targets)
+        finish_fused = self._finish_fused(fused, new_version, summary, targets)
+        if plain and fused:
+            (
+                (verified, unfinished),
+                (verified_fused, unfinished_fused, resume_failed),
+            ) = await asyncio.gather(finish_plain, finish_fused)
+        else:  # one of them has no replica and returns at once
+            verified, unfinished = await finish_plain
+            verified_fused, unfinished_fused, resume_failed = await finish_fused
         verified += verified_fused
         unfinished |= unfinished_fused
         failed.update(unfinished)
@@ -495,7 +508,10 @@ class SyncManager:
             paused = await self._pause(plain, dropped, must_remain=False)
             return await self._begin(paused, dropped, must_remain=False) if paused else ()
 
-        opened = await asyncio.gather(open_plain(), self._begin_fused(fused, dropped))
+        if not plain:
+            opened = ((), await self._begin_fused(fused, dropped))
+        else:
+            opened = await asyncio.gather(open_plain(), self._begin_fused(fused, dropped))
         live = tuple(u for u in replicas if u in opened[0] or u in opened[1])
         if not live:
             self._raise_all_dropped(dropped, stage="begin_weight_sync")
@@ -539,7 +555,7 @@ class SyncManager:
 
         if cfg.manage_generation:
             self._paused.update(replicas)
-        results = await asyncio.gather(*(begin(u) for u in replicas), return_exceptions=True)
+        results = await _settled(begin(u) for u in replicas)
         by_url = dict(zip(replicas, results, strict=True))
         return await self._drop_failed(replicas, by_url, dropped, "begin_weight_sync")
 
@@ -587,7 +603,7 @@ class SyncManager:
             self._log_changed_outside(url, reply.changed_outside)
             return reply.session_token
 
-        results = await asyncio.gather(*(begin(u) for u in replicas), return_exceptions=True)
+        results = await _settled(begin(u) for u in replicas)
         by_url = dict(zip(replicas, results, strict=True))
         self._sessions.update({u: r for u, r in by_url.items() if not isinstance(r, BaseException)})
         live = await self._drop_failed(replicas, by_url, dropped, "begin_weight_update")
@@ -661,11 +677,10 @@ class SyncManager:
         )
 
     async def _renew_leases(self, replicas: tuple[str, ...]) -> None:
-        """Renew the sessions' leases every third of the lease until cancelled; a renewal
-        that fails is logged (the session's end then reports what happened)."""
+        """Renew the sessions' leases now and every third of the lease until cancelled; a
+        renewal that fails is logged (the session's end then reports what happened)."""
         lease = self._config.lease_s
         while True:
-            await asyncio.sleep(lease / 3)
             held = {u: t for u, t in self._sessions.items() if t is not None and u in replicas}
             results = await asyncio.gather(
                 *(
@@ -679,6 +694,7 @@ class SyncManager:
             for url, result in zip(held, results, strict=True):
                 if isinstance(result, BaseException):
                     logger.error("renewing the session lease on %s failed: %s", url, result)
+            await asyncio.sleep(lease / 3)
 
     async def _finish(
         self,
@@ -695,7 +711,7 @@ class SyncManager:
             the label or the end (their verification failed): they stay paused and dirty.
         """
         timeout = self._config.lifecycle_timeout_s
-        digests = _digests_by_replica(summary, targets)
+        digests = _digests_by_replica(summary, targets) if replicas else {}
 
         async def finish(url: str) -> bool:
             client, token = self._clients[url], self._sessions.get(url)
@@ -711,7 +727,7 @@ class SyncManager:
             self._sessions.pop(url, None)
             return verify
 
-        outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
+        outcomes = await _settled(finish(u) for u in replicas)
         results = dict(zip(replicas, outcomes, strict=True))
         unfinished = await self._abandon_unfinished(results)
         return tuple(u for u, ok in results.items() if ok is True), unfinished
@@ -768,7 +784,7 @@ class SyncManager:
             self._released.discard(url)
             return verify, None
 
-        outcomes = await asyncio.gather(*(finish(u) for u in replicas), return_exceptions=True)
+        outcomes = await _settled(finish(u) for u in replicas)
         results = dict(zip(replicas, outcomes, strict=True))
         unfinished = await self._abandon_unfinished(results)
         done = {u: r for u, r in results.items() if not isinstance(r, BaseException)}
@@ -920,6 +936,19 @@ class SyncManager:
                 f"bit-exact check failed on replica {url}: the first sync did not restore the "
                 f"snapshotted weights: {exc}"
             ) from exc
+
+
+async def _settled(coroutines: Iterable[Awaitable[T]]) -> list[T | BaseException]:
+    """``asyncio.gather(*coroutines, return_exceptions=True)``, but a lone coroutine is
+    awaited in place: the task a gather makes for each costs a turn of the event loop, a few
+    of them per sync while generation waits on one replica."""
+    pending = list(coroutines)
+    if len(pending) != 1:
+        return list(await asyncio.gather(*pending, return_exceptions=True))
+    try:
+        return [await pending[0]]
+    except Exception as exc:
+        return [exc]
 
 
 def _digests_by_replica(
