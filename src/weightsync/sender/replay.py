@@ -140,7 +140,11 @@ class GraphPush:
                 with torch.cuda.stream(gather):
                     if plan is not None and self._span is not None:
                         sums.gather_span(self._span, plan[2], plan[3], plan[4])
-                    self._digests = sums.sums()
+                    # Into pinned memory within the graph: read back without a copy call.
+                    self._digests = torch.empty(
+                        len(program.digests), dtype=torch.int64, pin_memory=True
+                    )
+                    self._digests.copy_(sums.sums(), non_blocking=True)
             branches = _branches(dsts, srcs, _BRANCHES)
             streams = [capture] + [torch.cuda.Stream(device) for _ in branches[1:]]
             for stream in streams[1:]:
@@ -160,7 +164,7 @@ class GraphPush:
             self._graph.replay()
 
     def digests(self, sums: DigestSums | None) -> dict[tuple[int, str], int]:
-        """The digests of the last replay (reads them back: waits for the graph)."""
+        """The digests of the last replay (call once the graph has finished)."""
         if self._digests is None or sums is None:
             return {}
         return dict(zip(self.program.digests, self._digests.tolist(), strict=True))
