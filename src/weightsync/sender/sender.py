@@ -85,15 +85,12 @@ class WeightSender:
             max_outstanding_per_peer=config.max_outstanding_per_peer,
         )
         self._plan: SourcePlan | None = None
-        self._programs: list[PushProgram] = []
-        self._digest_sums: dict[int, DigestSums] = {}  # by id() of a program in _programs
+        self._programs: list[_Kept] = []  # the newest first
         self._pushed = False  # a push has completed (check_finite="first" checks until then)
         # (id(plan), id(export)) a preflight checked, and whether its program was cached then.
         self._preflighted: tuple[int, int, bool] | None = None
         self._sources = SourceMemory.of(transport)
         self._holding: SourceHolding | None = None
-        self._captured: dict[int, CapturedPush] = {}  # by id() of a program in _programs
-        self._tables: dict[int, tuple[PushProgram, ArrivalTable]] = {}  # the same
         # Receiver parameters mapped into this process, by (session, name, address).
         self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
         self._closed = False
@@ -162,21 +159,23 @@ class WeightSender:
         if owner is not self._plan:
             # A new plan (new targets, or a replica that came back): nothing of the old one's
             # programs, captures or mappings of receiver memory is kept.
-            self._plan, self._programs, self._digest_sums = owner, [], {}
-            self._captured, self._mapped_params, self._tables = {}, {}, {}
+            self._plan, self._programs, self._mapped_params = owner, [], {}
         geometry = export.geometry()
         staging = self._staging(plan, geometry)
-        for program in self._programs:
-            if program.matches(plan, geometry, staging):
-                return program, True
+        for kept in self._programs:
+            if kept.program.matches(plan, geometry, staging):
+                return kept.program, True
         program = lower_push(plan, geometry, staging)
         keep = _MAX_PROGRAMS * max(1, len(owner.parts))
-        self._programs = [program, *self._programs[: keep - 1]]
-        kept = {id(p) for p in self._programs}
-        self._digest_sums = {k: v for k, v in self._digest_sums.items() if k in kept}
-        self._captured = {k: v for k, v in self._captured.items() if k in kept}
-        self._tables = {k: v for k, v in self._tables.items() if k in kept}
+        self._programs = [_Kept(program), *self._programs[: keep - 1]]
         return program, False
+
+    def _kept(self, program: PushProgram) -> _Kept:
+        """What is kept for `program` (a record of its own if it is no longer kept)."""
+        for kept in self._programs:
+            if kept.program is program:
+                return kept
+        return _Kept(program)
 
     def preflight(self, plan: SourcePlan, export: WeightExport) -> None:
         """Everything `push` checks before it writes: the program (the export holds what the
@@ -262,19 +261,20 @@ class WeightSender:
         if not checked and (check == "always" or (check == "first" and not self._pushed)):
             refuse_non_finite(program, export)
         device = torch.device(program.staging.device)
-        sums = self._sums_for(program, device) if self.config.digest else None
+        kept = self._kept(program)
+        if self.config.digest and kept.sums is None:
+            kept.sums = DigestSums(program, device=device)
+        sums = kept.sums if self.config.digest else None
         key = getattr(export, "geometry_key", None) if self._replays(program) else None
-        captured = self._captured.get(id(program))
+        captured = kept.captured
         self._queue.start()
         self._sources.start()
         if cached and key is not None and captured is not None and captured.key == key:
             return self._replay(captured, sums, start=start, lowered=lowered)
         ring = self._ring_for(program.staging) if program.steps else None
         writer = self._direct_writer(program, device) if program.direct else None
-        entry = self._tables.get(id(program))
-        if entry is None or entry[0] is not program:
-            entry = self._tables[id(program)] = (program, arrival_table(program))
-        table = entry[1]
+        if kept.table is None:
+            kept.table = arrival_table(program)
         run = ProgramRun(
             program,
             ring=ring,
@@ -282,7 +282,7 @@ class WeightSender:
             queue=self._queue,
             digests=sums,
             direct=writer,
-            table=table,
+            table=kept.table,
         )
         try:
             run.execute(iter(export))
@@ -295,7 +295,7 @@ class WeightSender:
         digest_seconds = run.times.digest_s + time.perf_counter() - t0
         failed = self._queue.failed
         if key is not None and not failed and writer is not None:
-            self._captured[id(program)] = self._capture(program, key, writer, sums, device)
+            kept.captured = self._capture(program, key, writer, sums, device)
         stats = _stats(
             self.rank,
             program,
@@ -316,7 +316,7 @@ class WeightSender:
         if not failed:
             return stats
         self._queue.drain()
-        self._captured.pop(id(program), None)
+        self._kept(program).captured = None
         raise _partial(failed, stats, num_targets=len(program.counters.bytes_per_target))
 
     def _replays(self, program: PushProgram) -> bool:
@@ -409,7 +409,8 @@ class WeightSender:
         self._queue.drain()
         if self._ring is not None:
             self._ring.free()
-        self._captured = {}
+        for kept in self._programs:
+            kept.captured = None
         self._mapped_params = {}
         self._sources.release()
 
@@ -449,13 +450,6 @@ class WeightSender:
             stream_ordered=bool(getattr(self._transport, "stream_ordered", False)),
             direct=direct,
         )
-
-    def _sums_for(self, program: PushProgram, device: torch.device) -> DigestSums:
-        """The digest sums of `program` on `device`, built on its first push."""
-        sums = self._digest_sums.get(id(program))
-        if sums is None or sums.program is not program:
-            sums = self._digest_sums[id(program)] = DigestSums(program, device=device)
-        return sums
 
     def _ring_for(self, staging: StagingSpec) -> StagingRing:
         """The staging ring of `staging`, allocated (and registered) on first use."""
@@ -592,6 +586,17 @@ def _partial_of_parts(exc: PartialPushError, done: list[PushStats]) -> PartialPu
         return_code=exc.return_code,
         param_name=exc.param_name,
     )
+
+
+@dataclasses.dataclass(eq=False)
+class _Kept:
+    """A lowered program and what its pushes keep: its digest sums and arrival table (built
+    on its first push) and its captured push (while it replays)."""
+
+    program: PushProgram
+    sums: DigestSums | None = None
+    table: ArrivalTable | None = None
+    captured: CapturedPush | None = None
 
 
 def _per_target(
