@@ -249,7 +249,7 @@ class RolloutAgent:
             now = self._digests.compute()
             seconds = time.perf_counter() - start
             mismatched: tuple[str, ...] = ()
-            if expected is not None:
+            if expected is not None and expected != now:  # equal dicts: one C-level compare
                 mismatched = tuple(
                     name for name, value in now.items() if expected.get(name) != value
                 )
@@ -311,6 +311,8 @@ class RolloutAgent:
 
 
 def _differing(now: Mapping[str, int], before: Mapping[str, int]) -> tuple[str, ...]:
+    if now == before:  # the common case, in one C-level compare
+        return ()
     return tuple(name for name, value in now.items() if before.get(name) != value)
 
 
