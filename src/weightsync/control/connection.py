@@ -121,7 +121,8 @@ class KeepAliveConnection:
         """Close the connection (a later request opens a new one)."""
         if self._loop is asyncio.get_running_loop():
             self._close()
-        self._streams = None
+        else:  # a connection of another loop cannot be closed from this one
+            self._streams = None
 
 
 class _Reply:

@@ -75,7 +75,8 @@ class ParameterDigests:
             torch.cuda.current_stream().wait_stream(side)
             self._host = torch.empty(len(self._names), dtype=torch.int64, pin_memory=True)
             graph = torch.cuda.CUDAGraph()
-            # Thread-local: the engine thread captures; no other thread's work is affected.
+            # Thread-local: only the capturing thread (the engine's, or a handler's running
+            # an inline command) is captured; other threads' work is not affected.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._host.copy_(self._sums(), non_blocking=True)
         self._graph = graph

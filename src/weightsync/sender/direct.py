@@ -10,8 +10,8 @@ Two ways, chosen by what the transport offers:
   (``local_address``, CUDA IPC on one host): the sender copies the step's runs from the
   tensors' storage into the mapped parameters itself, on the current CUDA stream (long runs
   a copy each, short ones in multi-tensor launches, a row-parallel slice one pitched copy).
-  Such a push is a sequence of
-  stream-ordered launches, so it can be captured as a CUDA graph (`weightsync.sender.replay`).
+  Such a push is a sequence of stream-ordered launches, so it can be captured as a CUDA
+  graph (`weightsync.sender.replay`).
 
 Both keep every tensor they read until the push's writes are done, and report what they
 bound, so that a push can be replayed without reading the stream again.

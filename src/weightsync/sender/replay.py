@@ -114,7 +114,12 @@ class GraphPush:
         self._sums = sums
         self._device = device
         self._graph = torch.cuda.CUDAGraph()
-        self._digests: torch.Tensor | None = None
+        # The graph copies the digest sums here (pinned): read back without a copy call.
+        self._digests = (
+            torch.empty(len(program.digests), dtype=torch.int64, pin_memory=True)
+            if sums is not None
+            else None
+        )
         dsts = [dst for dst, _ in copies]
         srcs = [src for _, src in copies]
         capture = torch.cuda.Stream(device)
@@ -133,17 +138,13 @@ class GraphPush:
             torch.cuda.device(device),
             torch.cuda.graph(self._graph, stream=capture, capture_error_mode="thread_local"),
         ):
-            if sums is not None:
+            if sums is not None and self._digests is not None:
                 # The digest samples are read from the trainer's tensors, which the copies do
                 # not change: a branch of the graph beside the copies, hidden behind them.
                 gather.wait_stream(capture)
                 with torch.cuda.stream(gather):
                     if plan is not None and self._span is not None:
                         sums.gather_span(self._span, plan[2], plan[3], plan[4])
-                    # Into pinned memory within the graph: read back without a copy call.
-                    self._digests = torch.empty(
-                        len(program.digests), dtype=torch.int64, pin_memory=True
-                    )
                     self._digests.copy_(sums.sums(), non_blocking=True)
             branches = _branches(dsts, srcs, _BRANCHES)
             streams = [capture] + [torch.cuda.Stream(device) for _ in branches[1:]]

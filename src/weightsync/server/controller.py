@@ -560,7 +560,7 @@ class ReplicaController:
                 # as after a separate update_weight_version; a failure to label them is
                 # logged, and the step's own answer stands.
                 try:
-                    await self._run(SetWeightVersion(version=label))
+                    await self._run(SetWeightVersion(version=label), inline=True)
                 except ControlError as exc:
                     logger.warning("labelling the ranks %s failed: %s", label, exc)
         return message, tuple(completed)
