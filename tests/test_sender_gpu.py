@@ -7,6 +7,7 @@ parameters live on the second GPU when there is one.
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -164,6 +165,38 @@ def test_a_direct_push_is_a_cuda_graph_captured_again_after_a_parameter_moved(
         assert stats.replayed is replayed
         _assert_exact(gpu_receiver, "large", seed=seed)
         assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
+    sender.close()
+
+
+def test_a_replayed_push_may_return_with_its_copies_in_flight(gpu_receiver: Receiver, ipc) -> None:
+    # push(wait=False): a replayed graph returns once its copies are queued and its digests
+    # read, naming the interprocess event the copies complete at; wait_landed waits for it.
+    sender = WeightSender(_config(), transport=ipc)
+    model = random_model(LARGE, seed=81).to(device="cuda:0", dtype=torch.bfloat16)
+    export = ModelExport(model)
+    plan = _plan_for(sender, export, gpu_receiver, "large").for_source(0)
+    first = sender.push(plan, export, wait=False)  # captured, not replayed: it waits
+    assert not first.in_flight and first.events == ()
+    _assert_exact(gpu_receiver, "large", seed=81)
+    for seed in (82, 83):
+        _load(model, seed, LARGE)
+        gpu_receiver.call(cmd="fill", group="large", value=7.0)
+        stats = sender.push(plan, export, wait=False)
+        assert stats.replayed and stats.in_flight
+        assert len(stats.events) == 1 and len(bytes.fromhex(stats.events[0])) == 64
+        # The digests were read while the copies may still run; they are the landed bytes'.
+        landed = sender.wait_landed()
+        assert landed <= time.perf_counter()
+        _assert_exact(gpu_receiver, "large", seed=seed)
+        assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
+    # One event for the sender's device: its handle stays the same from push to push.
+    _load(model, 84, LARGE)
+    again = sender.push(plan, export, wait=False)
+    assert again.events == stats.events
+    # Nothing waited for it: the next push does, and a push that waits leaves nothing.
+    done = sender.push(plan, export)
+    assert done.replayed and not done.in_flight
+    _assert_exact(gpu_receiver, "large", seed=84)
     sender.close()
 
 

@@ -285,6 +285,12 @@ def wait_stream(device: torch.device, timeout_s: float) -> bool:
     did not finish within `timeout_s` (it may still finish later)."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
+    return wait_event(event, timeout_s)
+
+
+def wait_event(event: torch.cuda.Event, timeout_s: float) -> bool:
+    """Wait until the work before `event`'s last record is done; False when it did not
+    finish within `timeout_s` (it may still finish later)."""
     deadline = time.monotonic() + timeout_s
     # A push of 16 GB on one GPU takes ~9 ms: waking every 50 us costs nothing and loses at
     # most that much at the end.

@@ -5,7 +5,7 @@ tensors, at addresses that stay put between optimizer steps. So once it ran, wha
 be kept bound to those addresses and done again on the next sync with no per-tensor work:
 
 - `GraphPush`: the copies into mapped receiver memory (`weightsync.sender.direct.MappedDirect`)
-  and the digest samples, captured once as a CUDA graph and replayed with one launch;
+  and the digest samples, captured once as two CUDA graphs and replayed with two launches;
 - `WritePush`: the writes of a transport that takes lists (Mooncake), bound to absolute
   source addresses: one submission per target and a gather per storage.
 
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.errors import TransferError
 from weightsync.plan.program import PushProgram
 from weightsync.plan.writes import WriteRun
 from weightsync.sender.digest import DigestSums
@@ -31,6 +32,7 @@ from weightsync.sender.direct import (
     SourceMemory,
     copy_all,
     device_tensor,
+    wait_event,
 )
 
 if TYPE_CHECKING:
@@ -80,11 +82,14 @@ class WritePush:
 
 
 class GraphPush:
-    """A direct push into mapped receiver memory, captured as a CUDA graph.
+    """A direct push into mapped receiver memory, captured as CUDA graphs.
 
-    Capturing records the copies (dealt over two branches of the graph) and, in a branch
-    beside them, the digest samples (one gather over the span of the trainer's storages)
-    without running them; the push they come from already ran them.
+    Capturing records the copies (dealt over two branches of one graph) and, as a second
+    graph, the digest samples (one gather over the span of the trainer's storages) and the
+    copy of their sums into pinned memory, without running them; the push they come from
+    already ran them. A replay runs the digest graph on a stream of its own beside the
+    copies, so the digests are known long before the copies finish (`digests` waits for
+    them alone) and a caller may announce them while the bytes are still moving.
 
     Args:
         program: the all-direct program that ran.
@@ -93,6 +98,7 @@ class GraphPush:
         copies: every ``(dst, src)`` pair it copied (`MappedDirect.copies`).
         sums: the program's digest sums, or None without digests.
         device: the CUDA device the copies ran on.
+        timeout_s: how long `digests` waits for the digest graph.
     """
 
     def __init__(
@@ -104,27 +110,27 @@ class GraphPush:
         sums: DigestSums | None,
         *,
         device: torch.device,
+        timeout_s: float = 60.0,
     ) -> None:
         self.program = program
         self.key = key
-        # Held for the graph's lifetime: it reads and writes the memory of these tensors
+        # Held for the graphs' lifetime: they read and write the memory of these tensors
         # (the trainer's, the copies' views, the digest buffers) by address.
         self._bound = bound
         self._copies = copies
         self._sums = sums
         self._device = device
+        self._timeout_s = timeout_s
         self._graph = torch.cuda.CUDAGraph()
-        # The graph copies the digest sums here (pinned): read back without a copy call.
+        self._digest_graph: torch.cuda.CUDAGraph | None = None
+        self._side = torch.cuda.Stream(device)
+        self._digested = torch.cuda.Event()
+        # The digest graph copies the sums here (pinned): read back without a copy call.
         self._digests = (
             torch.empty(len(program.digests), dtype=torch.int64, pin_memory=True)
             if sums is not None
             else None
         )
-        dsts = [dst for dst, _ in copies]
-        srcs = [src for _, src in copies]
-        capture = torch.cuda.Stream(device)
-        gather = torch.cuda.Stream(device)
-        capture.wait_stream(torch.cuda.current_stream(device))
         # Every sample read by one gather over the span of the trainer's storages (one
         # kernel, not one per storage: a dense 8B model has 399, a per-expert MoE thousands).
         plan = (
@@ -133,41 +139,61 @@ class GraphPush:
             else None
         )
         self._span = device_tensor(plan[0], plan[1]) if plan is not None else None
-        with (
-            torch.no_grad(),
-            torch.cuda.device(device),
-            torch.cuda.graph(self._graph, stream=capture, capture_error_mode="thread_local"),
-        ):
+        capture = torch.cuda.Stream(device)
+        capture.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad(), torch.cuda.device(device):
             if sums is not None and self._digests is not None:
-                # The digest samples are read from the trainer's tensors, which the copies do
-                # not change: a branch of the graph beside the copies, hidden behind them.
-                gather.wait_stream(capture)
-                with torch.cuda.stream(gather):
+                self._digest_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(
+                    self._digest_graph, stream=capture, capture_error_mode="thread_local"
+                ):
                     if plan is not None and self._span is not None:
                         sums.gather_span(self._span, plan[2], plan[3], plan[4])
                     self._digests.copy_(sums.sums(), non_blocking=True)
-            branches = _branches(dsts, srcs, _BRANCHES)
-            streams = [capture] + [torch.cuda.Stream(device) for _ in branches[1:]]
-            for stream in streams[1:]:
-                stream.wait_stream(capture)
-            for stream, (branch_dsts, branch_srcs) in zip(streams, branches, strict=True):
-                with torch.cuda.stream(stream):
-                    copy_all(branch_dsts, branch_srcs)
-            for stream in streams[1:]:
-                capture.wait_stream(stream)
-            if sums is not None:
-                capture.wait_stream(gather)
+            dsts = [dst for dst, _ in copies]
+            srcs = [src for _, src in copies]
+            with torch.cuda.graph(self._graph, stream=capture, capture_error_mode="thread_local"):
+                branches = _branches(dsts, srcs, _BRANCHES)
+                streams = [capture] + [torch.cuda.Stream(device) for _ in branches[1:]]
+                for stream in streams[1:]:
+                    stream.wait_stream(capture)
+                for stream, (branch_dsts, branch_srcs) in zip(streams, branches, strict=True):
+                    with torch.cuda.stream(stream):
+                        copy_all(branch_dsts, branch_srcs)
+                for stream in streams[1:]:
+                    capture.wait_stream(stream)
         torch.cuda.current_stream(device).wait_stream(capture)
 
     def replay(self, queue: WriteQueue, sources: SourceMemory, sums: DigestSums | None) -> None:
-        """Launch the graph on the current stream (the caller waits for it)."""
+        """Launch the copies on the current stream and the digests beside them; work queued
+        on the current stream later waits for both."""
         with torch.cuda.device(self._device):
+            current = torch.cuda.current_stream(self._device)
+            if self._digest_graph is not None:
+                # The samples are read from the trainer's tensors, which the copies do not
+                # change, once what was queued before (the optimizer's step) wrote them.
+                self._side.wait_stream(current)
+                with torch.cuda.stream(self._side):
+                    self._digest_graph.replay()
+                self._digested.record(self._side)
             self._graph.replay()
+            if self._digest_graph is not None:
+                current.wait_stream(self._side)
 
     def digests(self, sums: DigestSums | None) -> dict[tuple[int, str], int]:
-        """The digests of the last replay (call once the graph has finished)."""
+        """The digests of the last replay, once its digest graph finished (the copies may
+        still run).
+
+        Raises:
+            TransferError: the digest graph did not finish within the timeout.
+        """
         if self._digests is None or sums is None:
             return {}
+        if not wait_event(self._digested, self._timeout_s):
+            raise TransferError(
+                f"the digests of a replayed push did not finish within {self._timeout_s:g} s "
+                "(the GPU is stuck or far behind)"
+            )
         return dict(zip(self.program.digests, self._digests.tolist(), strict=True))
 
 

@@ -17,7 +17,13 @@ from weightsync.plan.program import PushProgram, StagingSpec, lower_push
 from weightsync.plan.types import SourceHolding
 from weightsync.sender.config import SenderConfig
 from weightsync.sender.digest import DigestSums
-from weightsync.sender.direct import MappedDirect, SourceMemory, TransportDirect, wait_stream
+from weightsync.sender.direct import (
+    MappedDirect,
+    SourceMemory,
+    TransportDirect,
+    wait_event,
+    wait_stream,
+)
 from weightsync.sender.executor import ArrivalTable, ProgramRun, arrival_table
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
@@ -93,6 +99,11 @@ class WeightSender:
         self._holding: SourceHolding | None = None
         # Receiver parameters mapped into this process, by (session, name, address).
         self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
+        # One interprocess event per device that in-flight copies complete at, and the
+        # push whose copies are in flight (``push(wait=False)``) with the event's handle.
+        self._landing: dict[torch.device, tuple[torch.cuda.Event, str]] = {}
+        self._recorded: tuple[torch.cuda.Event, str] | None = None
+        self._in_flight: tuple[torch.cuda.Event, PushStats] | None = None
         self._closed = False
 
     @property
@@ -201,7 +212,7 @@ class WeightSender:
                 refuse_non_finite(program, export)
         self._preflighted = (id(plan), id(export), all_cached)
 
-    def push(self, plan: SourcePlan, export: WeightExport) -> PushStats:
+    def push(self, plan: SourcePlan, export: WeightExport, *, wait: bool = True) -> PushStats:
         """Write this rank's share of a sync into the plan's targets.
 
         Args:
@@ -209,6 +220,11 @@ class WeightSender:
             export: this rank's PP-local export; its tensors may have any dtype (cast to
                 ``plan.dtype``). Tensors the plan does not need from this rank are skipped
                 without a copy.
+            wait: wait for every write to land. With False, a push replayed as a CUDA graph
+                returns once its copies are queued and its digests read
+                (``PushStats.in_flight``, with the IPC handle of the event the copies
+                complete at in ``PushStats.events``); `wait_landed` then waits for them.
+                Other pushes wait either way.
 
         Returns:
             What was staged and written, and how long it took.
@@ -230,8 +246,9 @@ class WeightSender:
         checked = preflight is not None and preflight[:2] == (id(plan), id(export))
         if not checked:
             _begin_push(export)
+        self._settle()
         if not plan.parts:
-            stats = self._push_one(plan, export, whole=plan, checked=checked)
+            stats = self._push_one(plan, export, whole=plan, checked=checked, wait=wait)
         else:
             # Every part's program and values are checked before the first part writes.
             if not checked:
@@ -241,17 +258,69 @@ class WeightSender:
             done: list[PushStats] = []
             for part in plan.parts:
                 try:
-                    done.append(self._push_one(part, export, whole=plan, checked=True))
+                    done.append(self._push_one(part, export, whole=plan, checked=True, wait=wait))
                 except PartialPushError as exc:
                     raise _partial_of_parts(exc, [*done, exc.result]) from exc
             stats = _merge_stats(done)
         if checked and preflight is not None:
             stats = dataclasses.replace(stats, cached_program=preflight[2])
+        if stats.in_flight:
+            if self._recorded is None:
+                # A later part waited for its writes, and so for the copies before them.
+                stats = dataclasses.replace(stats, in_flight=False)
+            else:
+                # The last part recorded the event on the stream every part's copies use.
+                event, handle = self._recorded
+                stats = dataclasses.replace(stats, events=(handle,))
+                self._in_flight = (event, stats)
+        self._recorded = None
         self._pushed = True
         return stats
 
+    def wait_landed(self) -> float:
+        """Wait for the copies a ``push(..., wait=False)`` left in flight.
+
+        Returns:
+            The `time.perf_counter` at which they were seen done (now, when none were in
+            flight).
+
+        Raises:
+            PartialPushError: they did not finish within ``config.timeout_s`` (every target
+                they wrote to is named failed; they may still finish later).
+        """
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return time.perf_counter()
+        event, stats = pending
+        t0 = time.perf_counter()
+        if wait_event(event, self.config.timeout_s):
+            return time.perf_counter()
+        waited = time.perf_counter() - t0
+        failed = {
+            session: TransferError(
+                f"the copies into {session}'s mapped memory did not finish within "
+                f"{self.config.timeout_s:g} s (waited {waited:.1f} s)",
+                target_session=session,
+            )
+            for session in stats.bytes_per_target
+        }
+        raise _partial(failed, stats, num_targets=len(failed))
+
+    def _settle(self) -> None:
+        """Forget copies left in flight that nobody waited for (later work on the stream
+        is ordered after them anyway), after waiting for them a while."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            wait_event(pending[0], self.config.timeout_s)
+
     def _push_one(
-        self, plan: SourcePlan, export: WeightExport, *, whole: SourcePlan, checked: bool
+        self,
+        plan: SourcePlan,
+        export: WeightExport,
+        *,
+        whole: SourcePlan,
+        checked: bool,
+        wait: bool = True,
     ) -> PushStats:
         """`push` of a plan of one dtype (`plan` is `whole` or one of its parts)."""
         start = time.perf_counter()
@@ -270,7 +339,12 @@ class WeightSender:
         self._queue.start()
         self._sources.start()
         if cached and key is not None and captured is not None and captured.key == key:
-            return self._replay(captured, sums, start=start, lowered=lowered)
+            return self._replay(captured, sums, start=start, lowered=lowered, wait=wait)
+        if self._recorded is not None:
+            # An earlier part left its copies in flight; this one returns with every write
+            # landed, so the push does too.
+            wait_event(self._recorded[0], self.config.timeout_s)
+            self._recorded = None
         ring = self._ring_for(program.staging) if program.steps else None
         writer = self._direct_writer(program, device) if program.direct else None
         if kept.table is None:
@@ -365,7 +439,15 @@ class WeightSender:
     ) -> CapturedPush:
         """What `writer` did in an all-direct push, kept for replay."""
         if isinstance(writer, MappedDirect):
-            return GraphPush(program, key, writer.bound, writer.copies, sums, device=device)
+            return GraphPush(
+                program,
+                key,
+                writer.bound,
+                writer.copies,
+                sums,
+                device=device,
+                timeout_s=self.config.timeout_s,
+            )
         return WritePush(program, key, writer.bound)
 
     def _replay(
@@ -375,19 +457,25 @@ class WeightSender:
         *,
         start: float,
         lowered: float,
+        wait: bool = True,
     ) -> PushStats:
-        """Run a captured push again (see `weightsync.sender.replay`)."""
+        """Run a captured push again (see `weightsync.sender.replay`); without `wait`, a
+        graph's copies are left in flight."""
         program = captured.program
+        in_flight = not wait and isinstance(captured, GraphPush)
         t0 = time.perf_counter()
         try:
             captured.replay(self._queue, self._sources, sums)
-            self._wait_mapped(program, captured)
-            self._queue.wait_all()
+            if in_flight:
+                self._recorded = self._record_landing(torch.device(program.staging.device))
+            else:
+                self._wait_mapped(program, captured)
+                self._queue.wait_all()
+            t1 = time.perf_counter()
+            digests = _per_target(program, captured.digests(sums)) if sums is not None else {}
         except BaseException:
             self._queue.drain()
             raise
-        t1 = time.perf_counter()
-        digests = _per_target(program, captured.digests(sums)) if sums is not None else {}
         stats = _stats(
             self.rank,
             program,
@@ -399,13 +487,28 @@ class WeightSender:
             digests=digests,
             digest_seconds=time.perf_counter() - t1,
             replayed=True,
+            in_flight=in_flight,
         )
         return self._finished(program, stats)
+
+    def _record_landing(self, device: torch.device) -> tuple[torch.cuda.Event, str]:
+        """Record `device`'s interprocess landing event on its current stream; the event
+        and its IPC handle (hex; one event per device, so the handle stays the same)."""
+        landing = self._landing.get(device)
+        if landing is None:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event(interprocess=True)
+                event.record(torch.cuda.current_stream(device))
+                landing = self._landing[device] = (event, event.ipc_handle().hex())
+            return landing
+        landing[0].record(torch.cuda.current_stream(device))
+        return landing
 
     def release(self) -> None:
         """Unregister and free the staging memory (e.g. before a trainer checkpoint save),
         unregister the trainer memory direct writes read, and drop the captured pushes (they
         hold the tensors they read)."""
+        self._settle()
         self._queue.drain()
         if self._ring is not None:
             self._ring.free()
@@ -512,6 +615,7 @@ def _stats(
     digests: dict[str, dict[str, int]],
     digest_seconds: float,
     replayed: bool = False,
+    in_flight: bool = False,
 ) -> PushStats:
     """The `PushStats` of one execution of `program`."""
     counters = program.counters
@@ -534,6 +638,7 @@ def _stats(
         digest_seconds=digest_seconds,
         bytes_direct=counters.bytes_direct,
         replayed=replayed,
+        in_flight=in_flight,
     )
 
 
@@ -572,6 +677,7 @@ def _merge_stats(parts: list[PushStats]) -> PushStats:
         digest_seconds=sum(s.digest_seconds for s in parts),
         bytes_direct=sum(s.bytes_direct for s in parts),
         replayed=all(s.replayed for s in parts),
+        in_flight=any(s.in_flight for s in parts),
     )
 
 

@@ -38,6 +38,10 @@ class PushStats:
             layout's once; `bytes_staged` are the others).
         replayed: the push replayed a captured one (`weightsync.sender.replay`): the
             stream was not read.
+        in_flight: the push returned with its copies still queued on the GPU (a replayed
+            graph pushed with ``wait=False``): `WeightSender.wait_landed` waits for them.
+        events: with `in_flight`, the IPC handles (hex) of the CUDA events the copies
+            complete at: a receiver on the same host waits for them before it verifies.
     """
 
     rank: int
@@ -59,6 +63,8 @@ class PushStats:
     digest_seconds: float = 0.0
     bytes_direct: int = 0
     replayed: bool = False
+    in_flight: bool = False
+    events: tuple[str, ...] = ()
 
     @property
     def write_gbps(self) -> float:
