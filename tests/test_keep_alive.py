@@ -102,6 +102,21 @@ def test_a_connection_the_server_closed_is_opened_again(url) -> None:
     assert len({first, second, third}) == 3
 
 
+def test_a_connection_closed_while_its_loop_was_stopped_is_opened_again(url) -> None:
+    # TrainerSync runs its loop only while a call lasts: the server's close of an idle
+    # connection is not seen by the loop until it runs again, and must not cost a request.
+    connection = KeepAliveConnection(url)
+    loop = asyncio.new_event_loop()
+    try:
+        first = loop.run_until_complete(_echo(connection, 1))["port"]
+        time.sleep(1.5)  # past the server's idle keep-alive timeout (1 s), loop stopped
+        second = loop.run_until_complete(_echo(connection, 2))
+        loop.run_until_complete(connection.aclose())
+    finally:
+        loop.close()
+    assert second["body"] == 2 and second["port"] != first
+
+
 def test_a_chunked_reply_is_read_whole(url) -> None:
     async def main() -> bytes:
         connection = KeepAliveConnection(url)

@@ -4,6 +4,7 @@ generation waits."""
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -101,7 +102,12 @@ class KeepAliveConnection:
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         streams = self._streams
-        if streams is not None and not streams[0].at_eof() and not streams[1].is_closing():
+        if (
+            streams is not None
+            and not streams[0].at_eof()
+            and not streams[1].is_closing()
+            and not _readable(streams[1])
+        ):
             return streams
         self._close()
         reader, writer = await asyncio.open_connection(self._host, self._port)
@@ -145,3 +151,14 @@ class _Reply:
         # Asked here: once the message is complete the parser no longer knows.
         self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
         self.complete = True
+
+
+def _readable(writer: asyncio.StreamWriter) -> bool:
+    """Whether an idle connection has something to read: the server closed it (or sent what
+    no request asked for), which the event loop may not have seen yet (its loop may not
+    have run since); a request written into it would get no reply."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    return bool(readable)
