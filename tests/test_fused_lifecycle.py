@@ -11,7 +11,7 @@ import pytest
 import weightsync as ws
 from servers import start_replicas
 from weightsync.control.base import AsyncHttpClient
-from weightsync.control.protocol import WEIGHT_SYNC_FUSED
+from weightsync.control.protocol import WEIGHT_SYNC_EVENTS, WEIGHT_SYNC_FUSED
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 
 TINY = preset_config("tiny")
@@ -147,3 +147,38 @@ def test_the_manager_fuses_where_advertised_and_makes_eight_calls_elsewhere(
     for lifecycle_calls in (first[plain.url], second[plain.url]):
         assert lifecycle_calls == BEGIN + END
     assert [r.bit_exact for r in reports] == [True, None]
+
+
+def test_a_replica_off_the_gpu_refuses_events_to_wait_for_and_stays_paused(replicas) -> None:
+    # after_events is for a replica on a GPU (weight_sync_events); one on the CPU cannot
+    # know when copies named that way land, so it closes the session (labelled, as after a
+    # failed verification) and its weights are incomplete until a complete update. A
+    # handle that is not one is a 400 before any step.
+    fused, _ = replicas
+    with httpx.Client(base_url=fused.url, headers=AUTH, timeout=60.0) as http:
+        info = http.get("/server_info").json()
+        assert WEIGHT_SYNC_EVENTS not in info["weightsync"]["capabilities"]
+        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
+        token = begun["session_token"]
+        bad = http.post("/end_weight_sync", json={"session_token": token, "after_events": ["xyz"]})
+        assert bad.status_code == 400 and "after_events" in bad.text
+        assert _state(http)["weight_update_session"] == "open"
+
+        ended = http.post(
+            "/end_weight_sync",
+            json={"new_version": "70", "session_token": token, "after_events": ["ab" * 64]},
+        )
+        assert ended.status_code == 400 and ended.json()["route"] == "/end_weight_update"
+        assert "weight_sync_events" in ended.json()["message"]
+        state = _state(http)
+        assert state["paused"] and state["weight_update_session"] == "closed"
+        assert ended.json()["completed"] == END[:1]
+        assert http.get("/get_weight_version").json()["weight_version"] == "70"
+        assert http.post("/continue_generation", json={}).status_code == 400
+
+        # A complete update serves again.
+        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
+        ended = http.post(
+            "/end_weight_sync", json={"new_version": "71", "session_token": begun["session_token"]}
+        )
+        assert ended.status_code == 200 and not _state(http)["paused"]

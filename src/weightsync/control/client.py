@@ -277,6 +277,7 @@ class RolloutClient(AsyncHttpClient):
         digests: dict[int, dict[str, int]] | None = None,
         resume: bool = True,
         resume_kv_cache: bool = True,
+        after_events: list[str] | None = None,
         budget_s: float | None = None,
         timeout_s: float | None = None,
     ) -> WeightSyncStepResponse:
@@ -284,6 +285,8 @@ class RolloutClient(AsyncHttpClient):
         `update_weight_version` (unless `new_version` is None), `end_weight_update` with
         `digests`, then with `resume`: `resume_memory_occupation` of the KV cache (with
         `resume_kv_cache`), `flush_cache` and `continue_generation`, in one call.
+        `after_events` (capability ``weight_sync_events``): IPC handles (hex) of the CUDA
+        events the trainers' copies complete at, which the end waits for first.
 
         Raises:
             LifecycleStepError: a step refused: ``route`` names it, ``completed`` the steps
@@ -296,6 +299,7 @@ class RolloutClient(AsyncHttpClient):
             digests=digests,
             resume=resume,
             resume_kv_cache=resume_kv_cache,
+            after_events=after_events,
             budget_s=budget_s,
         )
         return await self._fused("/end_weight_sync", _without_none(body), timeout_s)

@@ -6,9 +6,9 @@ extra fields, so a reader keeps what a newer server adds.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, model_validator
 
 PauseMode = Literal["abort", "retract", "in_place"]
 Selector = Literal["target", "draft", "all"]
@@ -116,6 +116,10 @@ class BeginWeightSyncRequest(_Request):
     budget_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
+IpcEventHandle = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+"""A CUDA IPC event handle (``cudaIpcEventHandle_t``, 64 bytes) in lowercase hex."""
+
+
 class EndWeightSyncRequest(_Request):
     """``POST /end_weight_sync`` (capability ``weight_sync_fused``): what
     ``update_weight_version``, ``end_weight_update``, ``resume_memory_occupation``,
@@ -123,12 +127,16 @@ class EndWeightSyncRequest(_Request):
 
     ``new_version=None`` keeps the label; ``resume=False`` stops after the session ends (a
     caller that resumes generation itself); ``resume_kv_cache`` takes back the KV cache that
-    the fused begin released; ``budget_s`` as in `BeginWeightSyncRequest`.
+    the fused begin released; ``budget_s`` as in `BeginWeightSyncRequest`. ``after_events``
+    (capability ``weight_sync_events``): the IPC handles, in hex, of CUDA events on the
+    replica's host that the trainers' copies complete at; the end waits for them, within the
+    budget, before it verifies.
     """
 
     new_version: str | None = None
     session_token: str | None = None
     digests: dict[int, dict[str, int]] | None = None
+    after_events: list[IpcEventHandle] | None = Field(default=None, max_length=64)
     resume: bool = True
     resume_kv_cache: bool = True
     torch_empty_cache: bool = False

@@ -39,6 +39,10 @@ _SGLANG_POST_LOAD = (0, 5, 23)
 # /end_weight_sync (label, end the session, resume, flush, continue): the update lifecycle in
 # two calls instead of eight, with each step's semantics and refusals.
 WEIGHT_SYNC_FUSED = "weight_sync_fused"
+# end_weight_sync takes after_events: IPC handles of the CUDA events a trainer's copies on the
+# same host complete at; the replica waits for them (with the call's budget) before it
+# verifies, so the end may be sent while the copies still run.
+WEIGHT_SYNC_EVENTS = "weight_sync_events"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

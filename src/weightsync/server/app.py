@@ -388,6 +388,7 @@ def _add_fused_routes(
                 resume=body.resume,
                 resume_kv_cache=body.resume_kv_cache,
                 torch_empty_cache=body.torch_empty_cache,
+                after_events=body.after_events or (),
                 budget_s=body.budget_s,
             )
         except StepRefusedError as exc:

@@ -38,10 +38,12 @@ from weightsync.control.protocol import (
     GET_WEIGHT_VERSION,
     PARALLELISM_CONFIG,
     POST_LOAD_AT_UPDATE_END,
+    WEIGHT_SYNC_EVENTS,
     WEIGHT_SYNC_FUSED,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
 )
+from weightsync.receiver.events import WriterEvents
 from weightsync.server.http import ControlError
 from weightsync.server.limits import GenerationBounds
 from weightsync.server.ranks.commands import (
@@ -55,6 +57,7 @@ from weightsync.server.ranks.commands import (
     EndUpdate,
     FlushCache,
     Generate,
+    RankReply,
     SetWeightVersion,
 )
 from weightsync.server.ranks.driver import EngineDriver, EngineStoppedError
@@ -73,6 +76,14 @@ CAPABILITIES = (
 )
 # Advertised too unless the server was started with the fused lifecycle off.
 FUSED_CAPABILITIES = (WEIGHT_SYNC_FUSED,)
+
+
+class _NotLandedError(ControlError):
+    """The trainers' events a fused end was to wait for cannot be, or were not, reached."""
+
+
+# How long a fused end without a budget waits for the trainers' in-flight copies.
+_LANDING_TIMEOUT_S = 60.0
 _STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}
 # Tags of SGLang's memory saver. Parameter memory is registered with the transfer engine and
 # must never move, so "weights" cannot be released here.
@@ -137,6 +148,8 @@ class ReplicaController:
         bounds: how long a generation request may be; ``None``: the model's context length.
         fused_lifecycle: serve `begin_weight_sync` and `end_weight_sync` (and advertise
             ``weight_sync_fused``).
+        events: opens the CUDA events a fused end may wait for (a replica on a GPU);
+            with it and `fused_lifecycle`, ``weight_sync_events`` is advertised.
     """
 
     def __init__(
@@ -147,9 +160,12 @@ class ReplicaController:
         weight_version: str,
         bounds: GenerationBounds | None = None,
         fused_lifecycle: bool = True,
+        events: WriterEvents | None = None,
     ) -> None:
         self._driver = driver
-        self.capabilities = CAPABILITIES + (FUSED_CAPABILITIES if fused_lifecycle else ())
+        fused = FUSED_CAPABILITIES + ((WEIGHT_SYNC_EVENTS,) if events is not None else ())
+        self.capabilities = CAPABILITIES + (fused if fused_lifecycle else ())
+        self._events = events
         self.info = info
         self._bounds = bounds or GenerationBounds.of_model(info.hf_config)
         self._weight_version = weight_version
@@ -389,6 +405,8 @@ class ReplicaController:
         *,
         token: str | None = None,
         digests: Mapping[int, Mapping[str, int]] | None = None,
+        after_events: Sequence[str] = (),
+        landing_timeout_s: float = 60.0,
     ) -> str:
         """Verify what arrived, run post-load processing and close the session.
 
@@ -396,14 +414,19 @@ class ReplicaController:
             token: the session token (required for a leased session).
             digests: per tp rank, ``{param_name: digest}`` of what the trainers wrote; every
                 rank's digests must be given and match, or the update is incomplete.
+            after_events: IPC handles (hex) of the CUDA events the trainers' copies complete
+                at: the end waits for them, up to `landing_timeout_s`, before it verifies
+                (a replica that took `events`).
+            landing_timeout_s: how long to wait for `after_events`.
 
         Returns:
             The reply's message (with a failed verification the error says what differs).
 
         Raises:
-            ControlError: 400 when no session is open, for another holder's token, or when
-                the digests do not match what arrived (the session is closed and the
-                weights are incomplete).
+            ControlError: 400 when no session is open, for another holder's token, for
+                events this replica cannot wait for, or when the digests do not match what
+                arrived (the session is closed and the weights are incomplete); 504 when
+                the events were not reached in time (the session stays open).
         """
         if self._session != "open":
             raise ControlError(
@@ -422,11 +445,57 @@ class ReplicaController:
                     status_code=400,
                 )
             expected = tuple(dict(digests[r]) if r in digests else {} for r in range(num_ranks))
-        problem = await self._close(session, expected, reason="end_weight_update")
+        landing = (tuple(after_events), landing_timeout_s) if after_events else None
+        problem = await self._close(session, expected, reason="end_weight_update", landing=landing)
         if problem is not None:
             raise ControlError(problem, status_code=400)
         self._log_step("weight-update session ended (weight version %s)", self._weight_version)
         return "Weight update session ended"
+
+    def _end_once_landed(
+        self, command: EndUpdate, handles: Sequence[str], timeout_s: float
+    ) -> list[RankReply]:
+        """Wait until the trainers' events are reached, then end the session on the ranks,
+        in the calling (worker) thread: the end starts the moment the copies land, with no
+        turn of the event loop between.
+
+        Raises:
+            _NotLandedError: the events cannot be waited for here (400), or were not reached
+                within `timeout_s` (504); the ranks' sessions are ended unverified, as bytes
+                may still be on their way.
+        """
+        failure: _NotLandedError | None = None
+        if self._events is None:
+            failure = _NotLandedError(
+                "after_events: this replica cannot wait for CUDA events (its weights are not "
+                "on a GPU; it does not advertise weight_sync_events)",
+                status_code=400,
+            )
+        else:
+            started = time.perf_counter()
+            try:
+                if not self._events.wait(handles, timeout_s):
+                    failure = _NotLandedError(
+                        f"the trainers' copies (after_events) did not finish within "
+                        f"{timeout_s:g} s",
+                        status_code=504,
+                    )
+            except ValueError as exc:
+                failure = _NotLandedError(str(exc), status_code=400)
+            waited_ms = (time.perf_counter() - started) * 1e3
+        if failure is None:
+            landed = time.perf_counter()
+            replies = self._driver.submit(command, inline=True).result()
+            logger.debug(
+                "the trainers' copies landed at %.6f (waited %.2f ms); the ranks ended the "
+                "session %.3f ms later",
+                landed,
+                waited_ms,
+                (time.perf_counter() - landed) * 1e3,
+            )
+            return replies
+        self._driver.submit(EndUpdate(version=command.version), inline=True).result()
+        raise failure
 
     async def update_weight_version(
         self,
@@ -509,14 +578,15 @@ class ReplicaController:
         resume: bool = True,
         resume_kv_cache: bool = True,
         torch_empty_cache: bool = False,
+        after_events: Sequence[str] = (),
         budget_s: float | None = None,
     ) -> tuple[str, tuple[str, ...]]:
-        """`update_weight_version` (unless `new_version` is None), `end_weight_update`,
-        then, with `resume`, `resume_memory_occupation` of the KV cache (when
-        `resume_kv_cache`), `flush_cache` and `continue_generation`, in that order, each with
-        its own semantics: one round trip instead of five. The call stops where it runs
-        past `budget_s` seconds (the replica stays paused, as when a caller's deadline
-        passed).
+        """`update_weight_version` (unless `new_version` is None), `end_weight_update`
+        (after waiting for `after_events`, within the budget), then, with `resume`,
+        `resume_memory_occupation` of the KV cache (when `resume_kv_cache`), `flush_cache`
+        and `continue_generation`, in that order, each with its own semantics: one round
+        trip instead of five. The call stops where it runs past `budget_s` seconds (the
+        replica stays paused, as when a caller's deadline passed).
 
         Returns:
             The last step's message and the routes of the steps that ran.
@@ -536,8 +606,17 @@ class ReplicaController:
                     ),
                 )
             )
+        landing_timeout_s = budget_s if budget_s is not None else _LANDING_TIMEOUT_S
         steps.append(
-            ("/end_weight_update", lambda: self.end_weight_update(token=token, digests=digests))
+            (
+                "/end_weight_update",
+                lambda: self.end_weight_update(
+                    token=token,
+                    digests=digests,
+                    after_events=after_events,
+                    landing_timeout_s=landing_timeout_s,
+                ),
+            )
         )
         if resume:
             if resume_kv_cache:
@@ -608,15 +687,37 @@ class ReplicaController:
         expected: tuple[dict[str, int] | None, ...],
         *,
         reason: str,
+        landing: tuple[tuple[str, ...], float] | None = None,
     ) -> str | None:
         """Close `session` on every rank and decide what the weights now are; returns the
-        problem found (None when the update is complete or nothing changed)."""
+        problem found (None when the update is complete or nothing changed). With
+        `landing` (the IPC handles of the trainers' events and how long to wait for them),
+        the ranks end it once the events are reached.
+
+        Raises:
+            ControlError: the ranks failed, or (`landing`) the events were not reached:
+                the weights are then incomplete.
+        """
         if session.timer is not None:
             session.timer.cancel()
         self._session = "closing"
         label, self._label_with_end = self._label_with_end, None
+        command = EndUpdate(expected=expected, version=label)
         try:
-            checks = await self._run(EndUpdate(expected=expected, version=label), inline=True)
+            if landing is None:
+                checks = await self._run(command, inline=True)
+            else:
+                checks = await self._run_replies(
+                    asyncio.to_thread(self._end_once_landed, command, *landing)
+                )
+        except _NotLandedError as exc:
+            why = f"{exc}; nothing was verified, and bytes may still be on their way"
+            self._mark_incomplete(why)
+            raise ControlError(
+                f"{why}: the session is closed and the weights are incomplete until a "
+                "complete update",
+                status_code=exc.status_code,
+            ) from None
         except BaseException:
             self._mark_incomplete(f"end of the weight-update session failed ({reason})")
             raise
@@ -835,9 +936,17 @@ class ReplicaController:
         """Run `command` on every rank; return each rank's value, or raise the failure.
         `inline`: a short command, which the driver may run in this thread (see
         `EngineDriver.submit`)."""
-        try:
+
+        async def replies() -> list[RankReply]:
             future = self._driver.submit(command, inline=inline)
-            replies = future.result() if future.done() else await asyncio.wrap_future(future)
+            return future.result() if future.done() else await asyncio.wrap_future(future)
+
+        return await self._run_replies(replies())
+
+    async def _run_replies(self, pending: Awaitable[list[RankReply]]) -> list[Any]:
+        """Each rank's value of the replies `pending` resolves to, or raise the failure."""
+        try:
+            replies = await pending
         except EngineStoppedError as exc:
             logger.error("the engine is not running: %s", exc)
             raise ControlError(

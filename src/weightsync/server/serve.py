@@ -31,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from weightsync.checkpoint import load_config_dict
+from weightsync.receiver.events import WriterEvents
 from weightsync.server.app import create_main_app
 from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 from weightsync.server.config import ServeConfig
@@ -173,6 +174,9 @@ class _Replica:
                 weight_version=self.config.weight_version,
                 bounds=self.bounds,
                 fused_lifecycle=self.config.fused_lifecycle,
+                events=WriterEvents(torch.device("cuda", self.config.gpu_id(0)))
+                if self.config.device == "cuda"
+                else None,
             )
             controller.start()
             app = create_main_app(
