@@ -2,7 +2,7 @@
 
 One replica (tp=1) on the last GPU with seeded synthetic weights; this process is the
 trainer on GPU 0 holding the same synthetic weights. A P2P sync (`TrainerSync` +
-`WeightSender`, GPU staging, CUDA IPC) must restore the replica's weights bit-exactly after
+`WeightSender`, direct copies, CUDA IPC) must restore the replica's weights bit-exactly after
 the checker overwrote them, and so must the broadcast baseline over a stand-alone NCCL group
 (the replica binds its GPU to its default group, which would otherwise make torch split the
 weights update group from it).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -36,7 +37,9 @@ SEED = 5
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny_moe")
-    config = preset_config("tiny-moe", torch_dtype="bfloat16")
+    # A vocabulary of whole padding blocks (no zero rows, which are staged): every byte of
+    # a sync goes direct, so syncs after the first replay a CUDA graph.
+    config = preset_config("tiny-moe", torch_dtype="bfloat16", vocab_size=1024)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -111,7 +114,8 @@ def test_p2p_sync_over_cuda_ipc_is_bit_exact(replica, model_dir):
         # The manager snapshots the replica (its own synthetic copy), overwrites it with
         # random values, syncs and requires the snapshot back bit for bit.
         report = sync.sync(ws.ModelExport(tensors, hf_config=config))
-        assert sender.staging_device == torch.device("cuda", 0)
+        # Every byte goes straight from the trainer's GPU tensors, unstaged.
+        assert report.push.bytes_staged == 0 and sender.staging_bytes == 0
         assert report.bit_exact is True
         assert report.push.bytes_written > 0 and report.push.num_writes > 0
         # A later sync restores an overwritten replica too.
@@ -174,3 +178,87 @@ def test_update_weights_from_tensor_over_cuda_ipc_is_bit_exact(replica, model_di
     finally:
         sync.close()
     assert "update_weights_from_tensor" in replica.log_path.read_text()
+
+
+def _sleep_kernel(seconds: float) -> None:
+    """Queue a kernel that spins about `seconds` on the current stream (calibrated here)."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    torch.cuda._sleep(10**7)
+    torch.cuda.synchronize()
+    per_second = 10**7 / (time.perf_counter() - started)
+    torch.cuda._sleep(int(seconds * per_second))
+
+
+def test_an_end_waits_for_the_events_it_names_and_refuses_past_its_budget(replica):
+    from weightsync.control.protocol import WEIGHT_SYNC_EVENTS
+
+    with httpx.Client(base_url=replica.url, headers=AUTH, timeout=60.0) as http:
+        info = http.get("/server_info").json()
+        assert WEIGHT_SYNC_EVENTS in info["weightsync"]["capabilities"]
+        event = torch.cuda.Event(interprocess=True)
+        handle = event.ipc_handle().hex()
+
+        # Work still running on this process's GPU stream when the end is sent: the reply
+        # comes only once the event was reached.
+        token = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()["session_token"]
+        _sleep_kernel(1.0)
+        event.record()
+        assert not event.query()
+        ended = http.post(
+            "/end_weight_sync", json={"session_token": token, "after_events": [handle]}
+        )
+        assert ended.status_code == 200, ended.text
+        assert event.query()
+
+        # Past the call's budget: the session is closed and the weights are incomplete
+        # (bytes may still be coming), so the replica stays paused.
+        token = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()["session_token"]
+        _sleep_kernel(3.0)
+        event.record()
+        late = http.post(
+            "/end_weight_sync",
+            json={"session_token": token, "after_events": [handle], "budget_s": 0.3},
+        )
+        assert late.status_code == 504 and late.json()["route"] == "/end_weight_update"
+        assert "did not finish within 0.3 s" in late.json()["message"]
+        state = http.get("/server_info").json()["state"]
+        assert state["paused"] and state["weight_update_session"] == "closed"
+        assert http.post("/continue_generation", json={}).status_code == 400
+        torch.cuda.synchronize()
+
+        # A complete update serves again.
+        token = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()["session_token"]
+        ended = http.post("/end_weight_sync", json={"new_version": "40", "session_token": token})
+        assert ended.status_code == 200 and not http.get("/server_info").json()["state"]["paused"]
+
+
+def test_a_sync_ends_while_its_copies_run_and_the_replica_verifies_them(replica, model_dir):
+    # The trainer's copies are replayed as a CUDA graph from the second sync on; its end goes
+    # out as soon as they are queued, and the replica waits for their event before it
+    # verifies the digests.
+    import weightsync as ws
+
+    config, tensors = _trainer_tensors(model_dir)
+    sync_config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=1 << 20, timeout_s=30.0),
+        control=ws.ControlConfig(api_key=API_KEY),
+        transport=ws.CudaIpcConfig(device=0),
+    )
+    export = ws.ModelExport(tensors, hf_config=config)
+    with ws.TrainerSync(
+        sync_config, hf_config=config, replicas=[replica.url], dtype="bfloat16"
+    ) as sync:
+        reports = []
+        for step in range(4):
+            with torch.no_grad():
+                for tensor in tensors.values():
+                    tensor.add_(1.0 if step % 2 else -1.0)  # new weights, same addresses
+            reports.append(sync.sync(export))
+    first, *later = reports
+    assert not first.push.per_source[0].in_flight and first.push.events == ()
+    for report in later:
+        stats = report.push.per_source[0]
+        assert stats.replayed and stats.in_flight and len(report.push.events) == 1
+        assert report.verified == (replica.url,)
+        assert report.phases.push > 0 and report.phases.finalize >= 0

@@ -237,3 +237,82 @@ def test_the_manager_renews_the_lease_through_a_push_longer_than_it(replica) -> 
     assert report.phases.push >= 2.5 * lease_s
     assert weights_state(replica)["complete"] is True
     assert call(replica, "get_server_info")["state"]["weight_update_session"] == "closed"
+
+
+def _landing_push(landed_after_s: float, error: BaseException | None = None):
+    """A push that writes nothing and leaves "copies in flight": its summary names an event
+    and lands `landed_after_s` later (or fails with `error`)."""
+    from weightsync.manager import PushSummary
+
+    async def push(targets, epoch) -> PushSummary:
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Future[float] = loop.create_future()
+
+        def land() -> None:
+            if error is not None:
+                landed.set_exception(error)
+            else:
+                landed.set_result(time.perf_counter())
+
+        loop.call_later(landed_after_s, land)
+        return PushSummary(
+            bytes_written=0,
+            bytes_staged=0,
+            num_writes=0,
+            num_regions=0,
+            events=("ab" * 64,),
+            landed=landed,
+        )
+
+    return push
+
+
+def test_an_end_waits_for_copies_in_flight_where_the_replica_cannot(replica) -> None:
+    # The replica is on the CPU: it does not take after_events, so the manager waits for the
+    # push's copies to land before it ends the session (the push phase runs until then).
+    from weightsync.control.protocol import WEIGHT_SYNC_EVENTS
+    from weightsync.manager import SyncManager
+
+    info = call(replica, "get_server_info")
+    assert WEIGHT_SYNC_EVENTS not in info["weightsync"]["capabilities"]
+
+    async def run():
+        async with SyncManager([replica], ControlConfig(lifecycle_timeout_s=10.0)) as manager:
+            return await manager.update_weights(_landing_push(0.4))
+
+    report = asyncio.run(run())
+    assert report.replicas == (replica,)
+    assert report.phases.push >= 0.4
+    assert weights_state(replica)["complete"] is True
+
+
+def test_copies_that_never_land_leave_the_replica_paused(replica) -> None:
+    from weightsync.errors import PartialPushError
+    from weightsync.manager import SyncManager
+
+    failure = PartialPushError(
+        "the copies did not finish within 0.1 s",
+        failed={"any": "timed out"},
+        result=None,
+        target_session="any",
+    )
+
+    async def run():
+        async with SyncManager([replica], ControlConfig(lifecycle_timeout_s=10.0)) as manager:
+            with pytest.raises(PartialPushError, match="did not finish"):
+                await manager.update_weights(_landing_push(0.1, failure))
+            return manager.dirty_replicas
+
+    assert asyncio.run(run()) == frozenset({replica})
+    state = call(replica, "get_server_info")["state"]
+    assert state["paused"] and state["weight_update_session"] == "closed"
+    # A later update that lands serves again.
+    asyncio.run(_update(replica, _landing_push(0.0)))
+    assert not call(replica, "get_server_info")["state"]["paused"]
+
+
+async def _update(replica: str, push) -> None:
+    from weightsync.manager import SyncManager
+
+    async with SyncManager([replica], ControlConfig(lifecycle_timeout_s=10.0)) as manager:
+        await manager.update_weights(push)

@@ -81,24 +81,26 @@ def _slow_follower(rank: int, group, checkpoint: str, url: str) -> float | None:
             sync._collective.broadcast = late  # type: ignore[method-assign]
             sync.sync(ws.ModelExport(model))
             return None
-        stall: list[float] = []
         stop = threading.Event()
 
         async def heartbeat() -> float:
             worst, last = 0.0, time.perf_counter()
-            while not stop.is_set():
+            while True:
                 await asyncio.sleep(0.01)
+                if stop.is_set():  # the loop stopped with the sync: that gap is no stall
+                    return worst
                 now = time.perf_counter()
                 worst, last = max(worst, now - last), now
-            return worst
 
-        beat = threading.Thread(target=lambda: stall.append(sync.run(heartbeat())))
-        beat.start()
+        # The manager's loop runs while the sync does, and the heartbeat with it.
+        loop = sync._loop
+        assert loop is not None
+        beat = loop.create_task(heartbeat())
         try:
             report = sync.sync(ws.ModelExport(model))
         finally:
             stop.set()
-            beat.join()
+        stall = [loop.run_until_complete(beat)]
         assert report.seconds > 1.4  # the late follower really held the sync up
         return stall[0]
 
@@ -161,3 +163,25 @@ def test_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout() -> Non
         "every rank raises CollectiveError",
         max(outcomes[0]["seconds"], outcomes[1]["seconds"]),
     )
+
+
+def test_a_sync_runs_from_plain_code_and_from_inside_an_event_loop(tmp_path) -> None:
+    # The manager's loop runs in the calling thread while a call lasts; a caller that is
+    # itself async code (its own loop running in this thread) gets it run in a thread.
+    checkpoint = write_random_checkpoint(tmp_path / "ckpt", TINY, seed=4)
+    config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=1 << 20), transport=ws.MooncakeConfig(timeout_s=10)
+    )
+    export = ws.ModelExport(random_model(TINY, seed=4))
+    with serve_replicas(checkpoint, tp=1, log_dir=tmp_path) as (replica,):
+        with ws.TrainerSync(config, hf_config=TINY, replicas=[replica.url]) as sync:
+            assert sync.sync(export).verified == (replica.url,)
+
+            async def from_async_code() -> tuple[str, ...]:
+                report = sync.sync(export)
+                assert sync.manager is not None
+                assert len(sync.run(sync.manager.targets())) == 1
+                return report.verified
+
+            assert asyncio.run(from_async_code()) == (replica.url,)
+            assert sync.sync(export).verified == (replica.url,)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from weightsync.control import RolloutClient
 from weightsync.control.protocol import (
     PARALLELISM_CONFIG,
+    WEIGHT_SYNC_EVENTS,
     WEIGHT_SYNC_FUSED,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
@@ -319,8 +320,12 @@ class SyncManager:
         t_metadata = time.perf_counter()
 
         failed: dict[str, str] = {}
+        overlap = False
         try:
             summary = await push(targets, self._epoch)
+            overlap = self._overlaps(summary, live, targets)
+            if summary.landed is not None and not overlap:
+                await summary.landed
         except (LayoutMismatchError, WeightsRefusedError):
             # Raised while the plan is built or the weights checked, before any byte is
             # written: replicas whose weights are intact may serve them again.
@@ -352,15 +357,21 @@ class SyncManager:
         fused = () if compare_pending else tuple(u for u in live if self._fused(u))
         plain = tuple(u for u in live if u not in fused)
         finish_plain = self._finish(plain, new_version, summary, targets)
-        finish_fused = self._finish_fused(fused, new_version, summary, targets)
-        if plain and fused:
-            (
-                (verified, unfinished),
-                (verified_fused, unfinished_fused, resume_failed),
-            ) = await asyncio.gather(finish_plain, finish_fused)
-        else:  # one of them has no replica and returns at once
-            verified, unfinished = await finish_plain
-            verified_fused, unfinished_fused, resume_failed = await finish_fused
+        finish_fused = self._finish_fused(
+            fused, new_version, summary, targets, events=summary.events if overlap else ()
+        )
+        try:
+            if plain and fused:
+                (
+                    (verified, unfinished),
+                    (verified_fused, unfinished_fused, resume_failed),
+                ) = await asyncio.gather(finish_plain, finish_fused)
+            else:  # one of them has no replica and returns at once
+                verified, unfinished = await finish_plain
+                verified_fused, unfinished_fused, resume_failed = await finish_fused
+        finally:
+            if overlap:
+                t_pushed = min(await _landing(summary), time.perf_counter())
         verified += verified_fused
         unfinished |= unfinished_fused
         failed.update(unfinished)
@@ -742,14 +753,34 @@ class SyncManager:
             await self._abandon(tuple(unfinished), resume=False)
         return unfinished
 
+    def _overlaps(
+        self, summary: PushSummary, live: tuple[str, ...], targets: Sequence[TargetRank]
+    ) -> bool:
+        """Whether the sessions may end while the push's copies are still in flight: every
+        replica takes the fused end, waits for the copies' events itself
+        (``weight_sync_events``) and verifies every rank's digests, and no bit-exact
+        compare is pending."""
+        if summary.landed is None or not summary.events:
+            return False
+        if not self._checked and any(u in self._armed for u in live):
+            return False
+        needed = (WEIGHT_SYNC_FUSED, WEIGHT_SYNC_EVENTS, WEIGHT_UPDATE_DIGEST)
+        if not all(self._protocols[u].serves(c) for u in live for c in needed):
+            return False
+        return all(t.session_id in summary.digests for t in targets if t.replica in live)
+
     async def _finish_fused(
         self,
         replicas: tuple[str, ...],
         new_version: str,
         summary: PushSummary,
         targets: Sequence[TargetRank],
+        *,
+        events: Sequence[str] = (),
     ) -> tuple[tuple[str, ...], dict[str, str], dict[str, BaseException]]:
-        """Steps 6-7 as one ``end_weight_sync`` per replica.
+        """Steps 6-7 as one ``end_weight_sync`` per replica (sent while the push's copies
+        are in flight when `events` names the events they complete at: the replica waits
+        for them before it verifies).
 
         Returns:
             The replicas that verified the digests; ``{url: why}`` of those that refused the
@@ -769,6 +800,7 @@ class SyncManager:
                     digests=digests[url] if verify else None,
                     resume=self._config.manage_generation,
                     resume_kv_cache=url in self._released,
+                    after_events=list(events) if events else None,
                     budget_s=timeout,
                     timeout_s=timeout + _REPLY_MARGIN_S,
                 )
@@ -949,6 +981,18 @@ async def _settled(coroutines: Iterable[Awaitable[T]]) -> list[T | BaseException
         return [await pending[0]]
     except Exception as exc:
         return [exc]
+
+
+async def _landing(summary: PushSummary) -> float:
+    """When the driver saw the push's in-flight copies land (now, if it could not: the
+    replicas verified what arrived either way)."""
+    if summary.landed is None:
+        return time.perf_counter()
+    try:
+        return await summary.landed
+    except Exception as exc:
+        logger.warning("the trainer could not see its copies land: %s", exc)
+        return time.perf_counter()
 
 
 def _digests_by_replica(

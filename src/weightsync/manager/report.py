@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,13 @@ class PushSummary:
         per_source: every source rank's own `PushStats`, by rank.
         digests: per target session id, ``{param_name: digest}`` of what all sources wrote
             (`weightsync.layout.digest`); empty when the sources computed none.
+        events: the IPC handles (hex) of the CUDA events that copies still in flight
+            complete at (``PushStats.events`` of every source); empty when every write
+            landed before the push returned.
+        landed: with `events`, resolves to the `time.perf_counter` at which the driver's
+            copies were seen done, or raises `PartialPushError` when they did not finish in
+            time; the manager waits for it before ending a session whose replica cannot
+            wait for the events itself.
     """
 
     bytes_written: int
@@ -36,6 +43,8 @@ class PushSummary:
     cached_program: bool = False
     per_source: Mapping[int, PushStats] = field(default_factory=dict)
     digests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    events: tuple[str, ...] = ()
+    landed: Awaitable[float] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,8 +54,11 @@ class PhaseTimes:
     Attributes:
         pause: pause generation, release the KV cache, begin the sessions.
         metadata: fetch rollout metadata and build the plan (zero when cached).
-        push: every source rank's writes.
-        finalize: bump the weight version, end the sessions, run the bit-exact check.
+        push: every source rank's writes, until they landed (a push that left its copies
+            in flight ends when the driver saw them done).
+        finalize: bump the weight version, end the sessions, run the bit-exact check (what
+            of it did not overlap the push: an end sent while the copies were in flight
+            counts from their landing).
         resume: resume the KV cache, flush, continue generation.
     """
 
@@ -145,6 +157,7 @@ class SyncReport:
                     "bytes_staged": stats.bytes_staged,
                     "bytes_direct": stats.bytes_direct,
                     "replayed": stats.replayed,
+                    "in_flight": stats.in_flight,
                 }
                 for rank, stats in self.push.per_source.items()
             },

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import threading
+import contextvars
+import dataclasses
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -55,9 +57,9 @@ class TrainerSync:
        nothing elsewhere, so SPMD code may call them on every rank);
     4. ``close()`` on every rank.
 
-    The driver runs the manager's coroutines on an event loop of its own (a daemon thread),
-    so a training loop without asyncio can drive it; blocking work (the collectives, the
-    push) runs in worker threads, never on that loop.
+    The driver runs the manager's coroutines on an event loop of its own, in the calling
+    thread while a call lasts (see `run`), so a training loop without asyncio can drive it;
+    blocking work (the collectives, the push) runs in worker threads, never on that loop.
 
     Args:
         config: the sender, control-plane and transport settings.
@@ -105,9 +107,6 @@ class TrainerSync:
             if self._collective.is_driver:
                 self._manager = SyncManager(replicas, self._config.control)
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(
-                    target=self._loop.run_forever, name="weightsync-manager", daemon=True
-                ).start()
         except BaseException:
             if self._owns_transport:
                 self._transport.close()
@@ -148,13 +147,23 @@ class TrainerSync:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of the manager on the driver's event loop and return its result.
 
+        The loop runs in the calling thread for the call (no thread hand-off each way on a
+        sync's critical path), or in a thread of its own when the caller is itself inside a
+        running event loop. Calls must not overlap (a `TrainerSync` is not thread-safe).
+
         Raises:
             ValueError: not the driver rank, or the sync is closed.
         """
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             coro.close()
             raise ValueError("TrainerSync.run is for the driver rank (rank 0) of an open sync")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return _run_to_end(loop, coro)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync") as pool:
+            return pool.submit(_run_to_end, loop, coro).result()
 
     def add_replica(self, url: str) -> None:
         """Add a rollout replica (scale up); the next sync fetches its metadata.
@@ -225,12 +234,40 @@ class TrainerSync:
             pushed = True
             order = PushOrder(new_plan=plans is not None, fp8_block_size=rollout_fp8(targets))
             self._collective.broadcast(order, (PushOrder,))
-            return self._push(export, targets, order, plans)
+            # Only the driver's copies may stay in flight: it waits for them (the other
+            # ranks' land before their outcomes reach it).
+            return self._push(export, targets, order, plans, wait=False)
 
         async def push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
             # One worker thread for the whole push: it blocks on collectives and the GPU,
-            # never the manager's loop.
-            return await asyncio.to_thread(plan_and_push, targets, epoch)
+            # never the manager's loop. A push that leaves its copies in flight hands its
+            # summary over at once, and the thread goes on to wait for them (`landed`).
+            loop = asyncio.get_running_loop()
+            queued: asyncio.Future[PushSummary] = loop.create_future()
+            landed: asyncio.Future[float] = loop.create_future()
+            landed.add_done_callback(_retrieved)
+
+            def work() -> None:
+                try:
+                    summary = plan_and_push(targets, epoch)
+                except BaseException as exc:
+                    loop.call_soon_threadsafe(_settle, queued, exc)
+                    return
+                if not summary.events:
+                    loop.call_soon_threadsafe(_settle, queued, summary)
+                    return
+                loop.call_soon_threadsafe(
+                    _settle, queued, dataclasses.replace(summary, landed=landed)
+                )
+                try:
+                    seen: float | BaseException = self._sender.wait_landed()
+                except BaseException as exc:
+                    seen = exc
+                loop.call_soon_threadsafe(_settle, landed, seen)
+
+            # The worker is joined through the futures it settles.
+            loop.run_in_executor(None, contextvars.copy_context().run, work)
+            return await queued
 
         try:
             report = self.run(self._manager.update_weights(push, version=version))
@@ -253,8 +290,9 @@ class TrainerSync:
         self._closed = True
         try:
             if self._loop is not None and self._manager is not None:
-                asyncio.run_coroutine_threadsafe(self._manager.aclose(), self._loop).result()
-                self._loop.call_soon_threadsafe(self._loop.stop)
+                self.run(self._manager.aclose())
+                self._loop.run_until_complete(self._loop.shutdown_default_executor())
+                self._loop.close()
                 self._loop = None
             self._sender.close()
         finally:
@@ -344,8 +382,11 @@ class TrainerSync:
         targets: Sequence[TargetRank],
         order: PushOrder,
         plans: list[SourcePlan] | None,
+        *,
+        wait: bool = True,
     ) -> PushSummary:
-        """Every rank: receive its new plan (if any), write its share, report to the driver."""
+        """Every rank: receive its new plan (if any), write its share, report to the driver
+        (`wait`: as `WeightSender.push`)."""
         try:
             if order.new_plan:
                 self._plan = self._collective.scatter(plans, SourcePlan)
@@ -362,7 +403,8 @@ class TrainerSync:
             verdicts = [v for v in self._collective.all_gather(refused) if v is not None]
             if verdicts:
                 raise verdicts[0]
-            outcome = RankOutcome(rank=self.rank, stats=self._sender.push(self._plan, export))
+            stats = self._sender.push(self._plan, export, wait=wait)
+            outcome = RankOutcome(rank=self.rank, stats=stats)
         except CollectiveError:
             raise
         except Exception as exc:  # reported to the driver, which raises it for everyone
@@ -433,4 +475,36 @@ def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -
         cached_program=all(s.cached_program for s in stats.values()),
         per_source=stats,
         digests=digests,
+        events=tuple(e for s in stats.values() for e in s.events),
     )
+
+
+def _run_to_end(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on `loop` in this thread; a call interrupted (Ctrl-C) cancels it, so that
+    nothing of it runs on the loop's next call."""
+    task = loop.create_task(coro)
+    try:
+        return loop.run_until_complete(task)
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(task)
+        raise
+
+
+def _settle(future: asyncio.Future[Any], result: Any) -> None:
+    """Resolve `future` with `result`, or fail it when `result` is an exception."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a landing's failure seen: a sync that failed before waiting for it has reported
+    its own error."""
+    if not future.cancelled():
+        future.exception()
