@@ -4,13 +4,13 @@ A trainer on the same host writes into the replica's parameters with copies on i
 stream (CUDA IPC), and may announce the end of a session while they still run. It then
 names, by IPC handle, the interprocess CUDA event it recorded after them; the replica opens
 the event and waits for it before it verifies what arrived. The wait is on the host, with a
-deadline, rather than on a stream of the replica's: a trainer that never reaches the event
-(stuck, or gone) must not stall the replica's own GPU work.
+deadline (the replica's event loop looks at the events between its other work), rather than
+on a stream of the replica's: a trainer that never reaches the event (stuck, or gone) must
+not stall the replica's own GPU work.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -18,9 +18,6 @@ import torch
 
 # A trainer records the same event every sync: the handles seen last stay open.
 _KEEP = 16
-# How long the host sleeps between two looks at the events: a 16 GB copy takes ~8 ms, and
-# what this adds to the end of the wait is on the sync's critical path.
-_POLL_S = 2e-5
 
 
 class WriterEvents:
@@ -40,26 +37,19 @@ class WriterEvents:
         """The device the events are opened on."""
         return self._device
 
-    def wait(self, handles: Sequence[str], timeout_s: float) -> bool:
-        """Wait until the work before each event's last record is done (blocking: call it
-        from a worker thread); False when it was not within `timeout_s`.
-
-        Args:
-            handles: the events' IPC handles, in hex.
-            timeout_s: how long to wait for all of them.
+    def open(self, handles: Sequence[str]) -> list[torch.cuda.Event]:
+        """The events of `handles` (IPC handles, in hex), opened here once and kept.
 
         Raises:
             ValueError: a handle is not one, or cannot be opened here (a process on another
                 host, or one that is gone).
         """
-        events = [self._open(handle) for handle in handles]
-        deadline = time.monotonic() + timeout_s
-        for event in events:
-            while not event.query():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(_POLL_S)
-        return True
+        return [self._open(handle) for handle in handles]
+
+    @staticmethod
+    def reached(events: Sequence[torch.cuda.Event]) -> bool:
+        """Whether the work before each event's last record is done (a look, no wait)."""
+        return all(event.query() for event in events)
 
     def _open(self, handle: str) -> torch.cuda.Event:
         event = self._opened.get(handle)

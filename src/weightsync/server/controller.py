@@ -57,7 +57,6 @@ from weightsync.server.ranks.commands import (
     EndUpdate,
     FlushCache,
     Generate,
-    RankReply,
     SetWeightVersion,
 )
 from weightsync.server.ranks.driver import EngineDriver, EngineStoppedError
@@ -82,8 +81,10 @@ class _NotLandedError(ControlError):
     """The trainers' events a fused end was to wait for cannot be, or were not, reached."""
 
 
-# How long a fused end without a budget waits for the trainers' in-flight copies.
+# How long a fused end without a budget waits for the trainers' in-flight copies, and for
+# how long of it the event loop looks at their events without sleeping.
 _LANDING_TIMEOUT_S = 60.0
+_SPIN_S = 0.05
 _STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}
 # Tags of SGLang's memory saver. Parameter memory is registered with the transfer engine and
 # must never move, so "weights" cannot be released here.
@@ -452,50 +453,39 @@ class ReplicaController:
         self._log_step("weight-update session ended (weight version %s)", self._weight_version)
         return "Weight update session ended"
 
-    def _end_once_landed(
-        self, command: EndUpdate, handles: Sequence[str], timeout_s: float
-    ) -> list[RankReply]:
-        """Wait until the trainers' events are reached, then end the session on the ranks,
-        in the calling (worker) thread: the end starts the moment the copies land, with no
-        turn of the event loop between.
+    async def _await_landing(self, handles: Sequence[str], timeout_s: float) -> None:
+        """Wait until the trainers' events are reached, looking at them between the loop's
+        other work: the end starts the moment the copies land (a worker thread would add a
+        wake-up of this loop, a quarter of a millisecond, after them). The loop turns
+        without sleeping for the first `_SPIN_S` (a colocated copy takes milliseconds),
+        then a millisecond at a time.
 
         Raises:
             _NotLandedError: the events cannot be waited for here (400), or were not reached
-                within `timeout_s` (504); the ranks' sessions are ended unverified, as bytes
-                may still be on their way.
+                within `timeout_s` (504).
         """
-        failure: _NotLandedError | None = None
         if self._events is None:
-            failure = _NotLandedError(
+            raise _NotLandedError(
                 "after_events: this replica cannot wait for CUDA events (its weights are not "
                 "on a GPU; it does not advertise weight_sync_events)",
                 status_code=400,
             )
-        else:
-            started = time.perf_counter()
-            try:
-                if not self._events.wait(handles, timeout_s):
-                    failure = _NotLandedError(
-                        f"the trainers' copies (after_events) did not finish within "
-                        f"{timeout_s:g} s",
-                        status_code=504,
-                    )
-            except ValueError as exc:
-                failure = _NotLandedError(str(exc), status_code=400)
-            waited_ms = (time.perf_counter() - started) * 1e3
-        if failure is None:
-            landed = time.perf_counter()
-            replies = self._driver.submit(command, inline=True).result()
-            logger.debug(
-                "the trainers' copies landed at %.6f (waited %.2f ms); the ranks ended the "
-                "session %.3f ms later",
-                landed,
-                waited_ms,
-                (time.perf_counter() - landed) * 1e3,
-            )
-            return replies
-        self._driver.submit(EndUpdate(version=command.version), inline=True).result()
-        raise failure
+        try:
+            events = self._events.open(handles)
+        except ValueError as exc:
+            raise _NotLandedError(str(exc), status_code=400) from exc
+        started = time.monotonic()
+        while not self._events.reached(events):
+            waited = time.monotonic() - started
+            if waited > timeout_s:
+                raise _NotLandedError(
+                    f"the trainers' copies (after_events) did not finish within {timeout_s:g} s",
+                    status_code=504,
+                )
+            await asyncio.sleep(0 if waited < _SPIN_S else 1e-3)
+        logger.debug(
+            "the trainers' copies landed (waited %.2f ms)", (time.monotonic() - started) * 1e3
+        )
 
     async def update_weight_version(
         self,
@@ -702,14 +692,15 @@ class ReplicaController:
             session.timer.cancel()
         self._session = "closing"
         label, self._label_with_end = self._label_with_end, None
-        command = EndUpdate(expected=expected, version=label)
         try:
-            if landing is None:
-                checks = await self._run(command, inline=True)
-            else:
-                checks = await self._run_replies(
-                    asyncio.to_thread(self._end_once_landed, command, *landing)
-                )
+            if landing is not None:
+                try:
+                    await self._await_landing(*landing)
+                except _NotLandedError:
+                    # Bytes may still be on their way: the ranks end unverified.
+                    await self._run(EndUpdate(version=label), inline=True)
+                    raise
+            checks = await self._run(EndUpdate(expected=expected, version=label), inline=True)
         except _NotLandedError as exc:
             why = f"{exc}; nothing was verified, and bytes may still be on their way"
             self._mark_incomplete(why)
@@ -936,17 +927,9 @@ class ReplicaController:
         """Run `command` on every rank; return each rank's value, or raise the failure.
         `inline`: a short command, which the driver may run in this thread (see
         `EngineDriver.submit`)."""
-
-        async def replies() -> list[RankReply]:
-            future = self._driver.submit(command, inline=inline)
-            return future.result() if future.done() else await asyncio.wrap_future(future)
-
-        return await self._run_replies(replies())
-
-    async def _run_replies(self, pending: Awaitable[list[RankReply]]) -> list[Any]:
-        """Each rank's value of the replies `pending` resolves to, or raise the failure."""
         try:
-            replies = await pending
+            future = self._driver.submit(command, inline=inline)
+            replies = future.result() if future.done() else await asyncio.wrap_future(future)
         except EngineStoppedError as exc:
             logger.error("the engine is not running: %s", exc)
             raise ControlError(
