@@ -173,15 +173,17 @@ def test_a_sync_runs_from_plain_code_and_from_inside_an_event_loop(tmp_path) -> 
         sender=ws.SenderConfig(bucket_bytes=1 << 20), transport=ws.MooncakeConfig(timeout_s=10)
     )
     export = ws.ModelExport(random_model(TINY, seed=4))
-    with serve_replicas(checkpoint, tp=1, log_dir=tmp_path) as (replica,):
-        with ws.TrainerSync(config, hf_config=TINY, replicas=[replica.url]) as sync:
-            assert sync.sync(export).verified == (replica.url,)
+    with (
+        serve_replicas(checkpoint, tp=1, log_dir=tmp_path) as (replica,),
+        ws.TrainerSync(config, hf_config=TINY, replicas=[replica.url]) as sync,
+    ):
+        assert sync.sync(export).verified == (replica.url,)
 
-            async def from_async_code() -> tuple[str, ...]:
-                report = sync.sync(export)
-                assert sync.manager is not None
-                assert len(sync.run(sync.manager.targets())) == 1
-                return report.verified
+        async def from_async_code() -> tuple[str, ...]:
+            report = sync.sync(export)
+            assert sync.manager is not None
+            assert len(sync.run(sync.manager.targets())) == 1
+            return report.verified
 
-            assert asyncio.run(from_async_code()) == (replica.url,)
-            assert sync.sync(export).verified == (replica.url,)
+        assert asyncio.run(from_async_code()) == (replica.url,)
+        assert sync.sync(export).verified == (replica.url,)
