@@ -227,6 +227,15 @@ def test_an_end_waits_for_the_events_it_names_and_refuses_past_its_budget(replic
         assert http.post("/continue_generation", json={}).status_code == 400
         torch.cuda.synchronize()
 
+        # A handle of no event this replica can open: refused, and again incomplete.
+        token = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()["session_token"]
+        bogus = http.post(
+            "/end_weight_sync", json={"session_token": token, "after_events": ["ab" * 64]}
+        )
+        assert bogus.status_code == 400 and "cannot be opened" in bogus.json()["message"]
+        assert http.get("/server_info").json()["state"]["weight_update_session"] == "closed"
+        assert http.post("/continue_generation", json={}).status_code == 400
+
         # A complete update serves again.
         token = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()["session_token"]
         ended = http.post("/end_weight_sync", json={"new_version": "40", "session_token": token})

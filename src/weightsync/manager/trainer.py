@@ -290,8 +290,13 @@ class TrainerSync:
         self._closed = True
         try:
             if self._loop is not None and self._manager is not None:
-                self.run(self._manager.aclose())
-                self._loop.run_until_complete(self._loop.shutdown_default_executor())
+                manager = self._manager
+
+                async def shut_down() -> None:
+                    await manager.aclose()
+                    await asyncio.get_running_loop().shutdown_default_executor()
+
+                self.run(shut_down())
                 self._loop.close()
                 self._loop = None
             self._sender.close()

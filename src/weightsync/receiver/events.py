@@ -32,11 +32,6 @@ class WriterEvents:
         self._device = device
         self._opened: OrderedDict[str, torch.cuda.Event] = OrderedDict()
 
-    @property
-    def device(self) -> torch.device:
-        """The device the events are opened on."""
-        return self._device
-
     def open(self, handles: Sequence[str]) -> list[torch.cuda.Event]:
         """The events of `handles` (IPC handles, in hex), opened here once and kept.
 

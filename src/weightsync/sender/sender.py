@@ -307,8 +307,8 @@ class WeightSender:
         raise _partial(failed, stats, num_targets=len(failed))
 
     def _settle(self) -> None:
-        """Forget copies left in flight that nobody waited for (later work on the stream
-        is ordered after them anyway), after waiting for them a while."""
+        """Wait (up to ``config.timeout_s``) for copies left in flight that nobody waited
+        for, and forget them: later work on the stream is ordered after them anyway."""
         pending, self._in_flight = self._in_flight, None
         if pending is not None:
             wait_event(pending[0], self.config.timeout_s)
