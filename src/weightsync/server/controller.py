@@ -407,7 +407,7 @@ class ReplicaController:
         token: str | None = None,
         digests: Mapping[int, Mapping[str, int]] | None = None,
         after_events: Sequence[str] = (),
-        landing_timeout_s: float = 60.0,
+        landing_timeout_s: float = _LANDING_TIMEOUT_S,
     ) -> str:
         """Verify what arrived, run post-load processing and close the session.
 
@@ -427,7 +427,8 @@ class ReplicaController:
             ControlError: 400 when no session is open, for another holder's token, for
                 events this replica cannot wait for, or when the digests do not match what
                 arrived (the session is closed and the weights are incomplete); 504 when
-                the events were not reached in time (the session stays open).
+                the events were not reached in time (the session is closed and the weights
+                are incomplete: bytes may still be on their way).
         """
         if self._session != "open":
             raise ControlError(
@@ -446,8 +447,13 @@ class ReplicaController:
                     status_code=400,
                 )
             expected = tuple(dict(digests[r]) if r in digests else {} for r in range(num_ranks))
-        landing = (tuple(after_events), landing_timeout_s) if after_events else None
-        problem = await self._close(session, expected, reason="end_weight_update", landing=landing)
+        problem = await self._close(
+            session,
+            expected,
+            reason="end_weight_update",
+            after_events=after_events,
+            landing_timeout_s=landing_timeout_s,
+        )
         if problem is not None:
             raise ControlError(problem, status_code=400)
         self._log_step("weight-update session ended (weight version %s)", self._weight_version)
@@ -677,33 +683,31 @@ class ReplicaController:
         expected: tuple[dict[str, int] | None, ...],
         *,
         reason: str,
-        landing: tuple[tuple[str, ...], float] | None = None,
+        after_events: Sequence[str] = (),
+        landing_timeout_s: float = _LANDING_TIMEOUT_S,
     ) -> str | None:
         """Close `session` on every rank and decide what the weights now are; returns the
         problem found (None when the update is complete or nothing changed). With
-        `landing` (the IPC handles of the trainers' events and how long to wait for them),
-        the ranks end it once the events are reached.
+        `after_events` (the IPC handles of the trainers' events), the ranks end it once the
+        events are reached, waiting up to `landing_timeout_s`.
 
         Raises:
-            ControlError: the ranks failed, or (`landing`) the events were not reached:
-                the weights are then incomplete.
+            ControlError: the ranks failed, or the events were not reached: the weights
+                are then incomplete.
         """
         if session.timer is not None:
             session.timer.cancel()
         self._session = "closing"
         label, self._label_with_end = self._label_with_end, None
         try:
-            if landing is not None:
-                try:
-                    await self._await_landing(*landing)
-                except _NotLandedError:
-                    # Bytes may still be on their way: the ranks end unverified.
-                    await self._run(EndUpdate(version=label), inline=True)
-                    raise
+            if after_events:
+                await self._await_landing(after_events, landing_timeout_s)
             checks = await self._run(EndUpdate(expected=expected, version=label), inline=True)
         except _NotLandedError as exc:
             why = f"{exc}; nothing was verified, and bytes may still be on their way"
             self._mark_incomplete(why)
+            # The ranks end their sessions unverified.
+            await self._run(EndUpdate(version=label), inline=True)
             raise ControlError(
                 f"{why}: the session is closed and the weights are incomplete until a "
                 "complete update",
