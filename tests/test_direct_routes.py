@@ -1,7 +1,8 @@
-"""`DirectRoutes` answers its routes as the framework routes over the same handlers do: the
-same status and body for every request below, good and bad, sent over real HTTP to two
-uvicorn servers (one where FastAPI serves the routes, one where only the direct layer does,
-whose framework routes fail, so a request it let through would be a 500)."""
+"""`DirectApp`'s direct routes (`DirectRoutes`, in front of the framework's whole middleware
+stack) answer as the framework routes over the same handlers do: the same status and body
+for every request below, good and bad, sent over real HTTP to two uvicorn servers (one where
+FastAPI serves the routes, one where only the direct layer does, whose framework routes
+fail, so a request it let through would be a 500)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from servers import app_in_thread
 from weightsync.control.models import BeginWeightSyncRequest, EndWeightSyncRequest
 from weightsync.server.http import (
     ControlError,
+    DirectApp,
     DirectRoute,
-    DirectRoutes,
     bearer_auth,
     install_error_handler,
     limit_body_size,
@@ -67,8 +68,8 @@ def _framework_app() -> FastAPI:
     return app
 
 
-def _direct_app() -> FastAPI:
-    app = FastAPI()
+def _direct_app() -> DirectApp:
+    app = DirectApp()
     install_error_handler(app)
 
     # Only there to answer other methods: a request the direct layer let through fails.
@@ -77,7 +78,7 @@ def _direct_app() -> FastAPI:
     async def unreachable() -> None:
         raise AssertionError("the framework route answered a direct route's request")
 
-    app.add_middleware(DirectRoutes, routes=ROUTES, api_key=KEY)
+    app.add_direct_routes(ROUTES, api_key=KEY)
     limit_body_size(app, MAX_BODY, setting="--max-body-bytes")
     return app
 

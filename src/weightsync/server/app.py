@@ -66,8 +66,8 @@ from weightsync.server.extensions import ServerExtension
 from weightsync.server.http import (
     SUCCESS_400,
     ControlError,
+    DirectApp,
     DirectRoute,
-    DirectRoutes,
     bearer_auth,
     describe_validation_as_400,
     error_response,
@@ -84,14 +84,14 @@ def create_main_app(
     api_key: str | None = None,
     extensions: Sequence[ServerExtension] = (),
     direct_routes: bool = True,
-) -> FastAPI:
+) -> DirectApp:
     """The main server's app over `controller`; see the module docstring for status codes.
 
     With `api_key`, every route but ``/health`` and ``/ready`` needs ``Authorization: Bearer
     <api_key>`` (as SGLang). Each of `extensions` adds its routes. With `direct_routes` the
-    fused lifecycle calls skip the framework (`DirectRoutes`), answering as its routes do.
+    fused lifecycle calls skip the framework (`DirectApp`), answering as its routes do.
     """
-    app = FastAPI(
+    app = DirectApp(
         title="weightsync reference rollout server",
         version=__version__,
         description="SGLang's weight-update control protocol over the reference engine.",
@@ -300,7 +300,7 @@ def create_main_app(
     if WEIGHT_SYNC_FUSED in controller.capabilities:
         fused = _add_fused_routes(app, controller, authorized)
         if direct_routes:
-            app.add_middleware(DirectRoutes, routes=fused, api_key=api_key)
+            app.add_direct_routes(fused, api_key=api_key)
 
     @app.get(
         "/get_weight_version",
