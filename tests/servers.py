@@ -17,7 +17,26 @@ from weightsync.testing.launcher import (
     wait_healthy,
 )
 
-__all__ = ["ServedReplica", "app_in_thread", "serve_replicas", "start_replicas", "wait_healthy"]
+__all__ = [
+    "ServedReplica",
+    "app_in_thread",
+    "logged",
+    "serve_replicas",
+    "start_replicas",
+    "wait_healthy",
+]
+
+
+def logged(replica: ServedReplica, text: str, *, timeout_s: float = 10.0) -> bool:
+    """Whether `text` is in the replica's log within `timeout_s`: a line logged while the
+    server answered a request is written right after the reply (`LineAfterTurn`), so a
+    client may read the log before it is there."""
+    deadline = time.monotonic() + timeout_s
+    while text not in replica.log_path.read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ def serve(config: ServeConfig) -> int:
         ValueError: the model's config.json is missing, or has no context length
             (``max_position_embeddings``).
     """
-    configure_logging(config.log_level, tp_rank=0)
+    configure_logging(config.log_level, tp_rank=0, after_replies=True)
     torch.set_num_threads(config.num_threads)
     bounds = GenerationBounds.of_model(
         load_config_dict(config.model_path), max_new_tokens_limit=config.max_new_tokens_limit
