@@ -56,6 +56,33 @@ def test_a_line_outside_a_running_loop_is_written_at_once() -> None:
     assert lines.lines == ["now 1"]
 
 
+def _log_in_a_loops_last_turn(logger: logging.Logger) -> None:
+    loop = asyncio.new_event_loop()
+
+    def last_turn() -> None:
+        logger.info("left waiting")
+        loop.stop()  # the loop ends with this turn: the hand-over never runs there
+
+    try:
+        loop.call_soon(last_turn)
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def test_lines_a_stopped_loop_left_are_written_first_and_at_flush() -> None:
+    lines = _Lines()
+    logger = _logger(lines)
+    _log_in_a_loops_last_turn(logger)
+    assert lines.lines == []
+    logger.info("from plain code")  # writes what waits first, then itself
+    assert lines.lines == ["left waiting", "from plain code"]
+
+    _log_in_a_loops_last_turn(logger)
+    logger.handlers[0].flush()  # as logging.shutdown does at exit
+    assert lines.lines == ["left waiting", "from plain code", "left waiting"]
+
+
 def test_a_message_that_does_not_format_is_reported_not_raised(capsys) -> None:
     lines = _Lines()
     logger = _logger(lines)

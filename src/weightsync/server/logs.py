@@ -32,13 +32,14 @@ def configure_logging(level: str, *, tp_rank: int, after_replies: bool = False) 
 
 class LineAfterTurn(logging.Handler):
     """Hands a record logged on a running event loop to `target` at the end of the loop's
-    turn (`call_soon`); other records at once.
+    turn (`call_soon`); other records at once, after any still waiting.
 
     A server answers a request in one turn of its loop, and uvicorn logs the access line
     before it writes the reply: formatted and written there, the line (a few tens of
     microseconds, a write to the log) is part of every reply's latency. Deferred in the
     same thread, it keeps its order among the loop's lines and takes no lock a thread of
-    its own would contend for. The message is merged with its arguments at once.
+    its own would contend for. The message is merged with its arguments at once. `flush`
+    (which `logging.shutdown` runs at exit) writes what a loop that stopped left waiting.
 
     Args:
         target: the handler that formats and writes.
@@ -47,12 +48,14 @@ class LineAfterTurn(logging.Handler):
     def __init__(self, target: logging.Handler) -> None:
         super().__init__()
         self.target = target
+        self._waiting: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         """Write `record` through `target`, at the end of this turn of a running loop."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            self.flush()  # what a loop logged before comes first
             self.target.handle(record)
             return
         try:
@@ -60,13 +63,20 @@ class LineAfterTurn(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        loop.call_soon(self.target.handle, record)
+        if not self._waiting:
+            loop.call_soon(self.flush)
+        self._waiting.append(record)
 
     def flush(self) -> None:
-        """Flush `target`."""
+        """Write the records waiting for their turn to end, then flush `target`."""
+        with self.lock:  # type: ignore[union-attr]  # Handler.createLock made it
+            waiting, self._waiting = self._waiting, []
+            for record in waiting:
+                self.target.handle(record)
         self.target.flush()
 
     def close(self) -> None:
-        """Close `target`."""
+        """Write what is waiting and close `target`."""
+        self.flush()
         self.target.close()
         super().close()
