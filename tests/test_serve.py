@@ -5,7 +5,6 @@ restore from this process. One replica serves the whole module."""
 from __future__ import annotations
 
 import asyncio
-import http.client as http_client
 import json
 import os
 import time
@@ -473,21 +472,6 @@ def test_weights_checker_and_restore_over_mooncake(replica, http, checkpoint):
         assert unknown.status_code == 400 and "match no parameter" in unknown.json()["message"]
     finally:
         writer.close()
-
-
-def test_an_idle_connection_is_kept_past_uvicorns_default(replica):
-    # A trainer calls between training steps; a connection the server closed after uvicorn's
-    # 5 s would cost every sync a new one.
-    host, port = replica.url.removeprefix("http://").rsplit(":", 1)
-    connection = http_client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        for wait_s in (0.0, 6.0):
-            time.sleep(wait_s)
-            connection.request("GET", "/model_info", headers=AUTH)
-            reply = connection.getresponse()
-            assert reply.status == 200 and json.loads(reply.read())["weight_version"]
-    finally:
-        connection.close()
 
 
 def test_openapi_schema_is_frozen(http):

@@ -47,10 +47,6 @@ from weightsync.server.replica_info import ReplicaInfo
 
 logger = logging.getLogger(__name__)
 
-# How long the server keeps an idle keep-alive connection (uvicorn's default: 5 s). A trainer
-# calls between training steps; a connection closed in between costs every sync a new one.
-KEEP_ALIVE_S = 600
-
 _STOP_TIMEOUT_S = 30.0
 
 
@@ -258,7 +254,6 @@ def _server(app: FastAPI) -> _Server:
     return _Server(
         uvicorn.Config(
             app,
-            timeout_keep_alive=KEEP_ALIVE_S,
             # Clients connect directly; a forwarded-for header must not rename them.
             proxy_headers=False,
             log_config=None,
