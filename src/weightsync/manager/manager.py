@@ -353,8 +353,7 @@ class SyncManager:
             raise
         t_pushed = time.perf_counter()
 
-        compare_pending = not self._checked and any(u in self._armed for u in live)
-        fused = () if compare_pending else tuple(u for u in live if self._fused(u))
+        fused = () if self._compare_pending(live) else tuple(u for u in live if self._fused(u))
         plain = tuple(u for u in live if u not in fused)
         finish_plain = self._finish(plain, new_version, summary, targets)
         finish_fused = self._finish_fused(
@@ -753,6 +752,10 @@ class SyncManager:
             await self._abandon(tuple(unfinished), resume=False)
         return unfinished
 
+    def _compare_pending(self, live: Sequence[str]) -> bool:
+        """Whether this sync ends with the bit-exact compare of replicas it corrupted."""
+        return not self._checked and any(u in self._armed for u in live)
+
     def _overlaps(
         self, summary: PushSummary, live: tuple[str, ...], targets: Sequence[TargetRank]
     ) -> bool:
@@ -762,7 +765,7 @@ class SyncManager:
         compare is pending."""
         if summary.landed is None or not summary.events:
             return False
-        if not self._checked and any(u in self._armed for u in live):
+        if self._compare_pending(live):
             return False
         needed = (WEIGHT_SYNC_FUSED, WEIGHT_SYNC_EVENTS, WEIGHT_UPDATE_DIGEST)
         if not all(self._protocols[u].serves(c) for u in live for c in needed):
