@@ -1,8 +1,9 @@
 """`DirectApp`'s direct routes (`DirectRoutes`, in front of the framework's whole middleware
-stack) answer as the framework routes over the same handlers do: the same status and body
-for every request below, good and bad, sent over real HTTP to two uvicorn servers (one where
-FastAPI serves the routes, one where only the direct layer does, whose framework routes
-fail, so a request it let through would be a 500)."""
+stack, and `DirectHttpProtocol`, from a connection's bytes) answer as the framework routes
+over the same handlers do: the same status and body for every request below, good and bad,
+sent over real HTTP to three uvicorn servers (one where FastAPI serves the routes, and two
+where only the direct layer does, whose framework routes fail, so a request it let through
+would be a 500)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from fastapi.responses import JSONResponse
 
 from servers import app_in_thread
 from weightsync.control.models import BeginWeightSyncRequest, EndWeightSyncRequest
+from weightsync.server.direct import DirectApp, DirectRoute
+from weightsync.server.direct_protocol import direct_protocol
 from weightsync.server.http import (
     ControlError,
-    DirectApp,
-    DirectRoute,
     bearer_auth,
     install_error_handler,
     limit_body_size,
@@ -85,8 +86,17 @@ def _direct_app() -> DirectApp:
 
 @pytest.fixture(scope="module")
 def urls():
-    with app_in_thread(_framework_app()) as framework, app_in_thread(_direct_app()) as direct:
-        yield framework, direct
+    """The framework's server, then the direct layer's as ASGI middleware, then the same
+    app served by `DirectHttpProtocol` (the direct routes answered from the bytes) under
+    uvicorn's default loop (uvloop where installed) and under asyncio's."""
+    served, again = _direct_app(), _direct_app()
+    with (
+        app_in_thread(_framework_app()) as framework,
+        app_in_thread(_direct_app()) as direct,
+        app_in_thread(served, http=direct_protocol(served)) as protocol,
+        app_in_thread(again, http=direct_protocol(again), loop="asyncio") as on_asyncio,
+    ):
+        yield framework, direct, protocol, on_asyncio
 
 
 NESTED = "[" * 100_000 + "]" * 100_000
@@ -167,15 +177,17 @@ CASES = {
 def test_a_direct_route_answers_as_the_framework_route(urls, case) -> None:
     route, body, headers = CASES[case]
     replies = [httpx.post(url + route, content=body, headers=headers, timeout=30.0) for url in urls]
-    framework, direct = ((r.status_code, r.headers.get("content-type"), r.text) for r in replies)
-    assert direct == framework
-    assert "internal detail" not in replies[1].text
-    assert "illegal memory access" not in replies[1].text
+    framework, *direct = ((r.status_code, r.headers.get("content-type"), r.text) for r in replies)
+    assert direct == [framework] * len(direct)
+    for reply in replies[1:]:
+        assert "internal detail" not in reply.text
+        assert "illegal memory access" not in reply.text
 
 
-def test_the_api_key_is_checked_before_the_body_is_read(urls) -> None:
-    _, direct = urls
-    reply = httpx.post(direct + "/end", content='{"new_version": ', headers=JSON)
+@pytest.mark.parametrize("served", ["middleware", "protocol"])
+def test_the_api_key_is_checked_before_the_body_is_read(urls, served) -> None:
+    url = urls[1 if served == "middleware" else 2]
+    reply = httpx.post(url + "/end", content='{"new_version": ', headers=JSON)
     assert reply.status_code == 401
     assert reply.json() == {
         "error": {
@@ -185,7 +197,8 @@ def test_the_api_key_is_checked_before_the_body_is_read(urls) -> None:
     }
 
 
-def test_other_requests_go_on_to_the_app(urls) -> None:
-    _, direct = urls
-    assert httpx.get(direct + "/end", headers=AUTH).status_code == 405
-    assert httpx.post(direct + "/elsewhere", headers=AUTH).status_code == 404
+@pytest.mark.parametrize("served", ["middleware", "protocol"])
+def test_other_requests_go_on_to_the_app(urls, served) -> None:
+    url = urls[1 if served == "middleware" else 2]
+    assert httpx.get(url + "/end", headers=AUTH).status_code == 405
+    assert httpx.post(url + "/elsewhere", headers=AUTH).status_code == 404

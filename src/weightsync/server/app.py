@@ -62,12 +62,11 @@ from weightsync.control.models import (
 )
 from weightsync.control.protocol import WEIGHT_SYNC_FUSED
 from weightsync.server.controller import ReplicaController, StepRefusedError
+from weightsync.server.direct import DirectApp, DirectRoute
 from weightsync.server.extensions import ServerExtension
 from weightsync.server.http import (
     SUCCESS_400,
     ControlError,
-    DirectApp,
-    DirectRoute,
     bearer_auth,
     describe_validation_as_400,
     error_response,

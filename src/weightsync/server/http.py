@@ -8,9 +8,9 @@ import json
 import logging
 import math
 import secrets
+import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request, Response, Security
@@ -19,8 +19,6 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
-from pydantic import BaseModel, TypeAdapter, ValidationError
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weightsync.control.models import ErrorResponse, SuccessResponse
@@ -65,7 +63,7 @@ def install_error_handler(app: FastAPI) -> None:
 
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ControlError)
-        return control_error_response(exc, request.scope)
+        return control_error_response(exc, scope_route(request.scope))
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -77,13 +75,12 @@ def install_error_handler(app: FastAPI) -> None:
     app.add_middleware(InternalErrorGuard)
 
 
-def control_error_response(exc: ControlError, scope: Scope) -> JSONResponse:
-    """The reply to `exc` raised by the route of `scope`: its status and message, except
-    that a 500 (a rank failed) says only which route failed and logs the message."""
+def control_error_response(exc: ControlError, route: str) -> JSONResponse:
+    """The reply to `exc` raised by `route` (``"POST /path"``): its status and message,
+    except that a 500 (a rank failed) says only which route failed and logs the message."""
     if exc.status_code == 500:
         # Rank failures carry the raw text of what failed (torch, the allocator); the log
         # keeps it, the reply does not.
-        route = _route(scope)
         logger.error("internal error in %s: %s", route, exc)
         return error_response(
             f"internal error in {route}: the engine failed; see the server log", 500
@@ -112,8 +109,34 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     )
 
 
-def _route(scope: Scope) -> str:
+def scope_route(scope: Scope) -> str:
+    """``"METHOD /path"`` of an ASGI request scope, as error replies and logs name it."""
     return f"{scope.get('method', '')} {scope.get('path', '')}".strip()
+
+
+def internal_error_response(route: str) -> JSONResponse:
+    """The 500 for an exception no handler answered in `route` (log it first: the reply
+    names only its type)."""
+    # Called from an except block only: the type named is the exception being handled.
+    exc_type = sys.exc_info()[0]
+    name = exc_type.__name__ if exc_type is not None else "Exception"
+    return error_response(f"internal error in {route}: {name}; see the server log", 500)
+
+
+def body_too_large_response(
+    route: str, what: str, *, max_body_bytes: int, setting: str
+) -> JSONResponse:
+    """The 413 for a body of `route` that `what` (``"declares N bytes, over"``,
+    ``"passed"``) the limit of `max_body_bytes`; `setting` says how to raise it. Logged."""
+    limit = f"{max_body_bytes} bytes"
+    if max_body_bytes >= 1 << 20:
+        limit += f" ({max_body_bytes / (1 << 20):g} MiB)"
+    message = (
+        f"request body too large: the body of {route} {what} this server's limit "
+        f"of {limit}; send less, or raise the limit with {setting}"
+    )
+    logger.warning("%s", message)
+    return error_response(message, 413)
 
 
 class InternalErrorGuard:
@@ -145,16 +168,15 @@ class InternalErrorGuard:
             await self.app(scope, receive, send_tracked)
             if began is not None:
                 took = (time.perf_counter() - began) * 1e3
-                logger.debug("%s answered in %.2f ms", _route(scope), took)
+                logger.debug("%s answered in %.2f ms", scope_route(scope), took)
         except BodyTooLargeError:
             raise  # answered by BodySizeLimit, further out
-        except Exception as exc:
-            route = _route(scope)
+        except Exception:
+            route = scope_route(scope)
             logger.exception("internal error in %s", route)
             if started:
                 return  # the reply is under way; the server closes the connection
-            message = f"internal error in {route}: {type(exc).__name__}; see the server log"
-            await error_response(message, 500)(scope, receive, send)
+            await internal_error_response(route)(scope, receive, send)
 
 
 class BodyTooLargeError(WeightSyncError):
@@ -202,7 +224,7 @@ class BodySizeLimit:
                         refused = True
                         await self._refuse(scope, receive, send, "passed")
                     raise BodyTooLargeError(
-                        f"request body of {_route(scope)} passed {self.max_body_bytes} bytes"
+                        f"request body of {scope_route(scope)} passed {self.max_body_bytes} bytes"
                     )
             return message
 
@@ -221,18 +243,15 @@ class BodySizeLimit:
         except Exception:
             if not refused:
                 raise
-            logger.debug("%s after its oversized body was refused", _route(scope), exc_info=True)
+            logger.debug(
+                "%s after its oversized body was refused", scope_route(scope), exc_info=True
+            )
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
-        limit = f"{self.max_body_bytes} bytes"
-        if self.max_body_bytes >= 1 << 20:
-            limit += f" ({self.max_body_bytes / (1 << 20):g} MiB)"
-        message = (
-            f"request body too large: the body of {_route(scope)} {what} this server's limit "
-            f"of {limit}; send less, or raise the limit with {self.setting}"
+        response = body_too_large_response(
+            scope_route(scope), what, max_body_bytes=self.max_body_bytes, setting=self.setting
         )
-        logger.warning("%s", message)
-        await error_response(message, 413)(scope, receive, send)
+        await response(scope, receive, send)
 
 
 def limit_body_size(app: FastAPI, max_body_bytes: int, *, setting: str) -> None:
@@ -262,7 +281,7 @@ class FiniteJsonRoute(APIRoute):
 
         async def handle(request: Request) -> Response:
             request = _FiniteJsonRequest(request.scope, request.receive)
-            if _is_json(request.headers.get("content-type")):
+            if is_json(request.headers.get("content-type")):
                 # A body that is not JSON is left to the route's own parsing (400).
                 with contextlib.suppress(ValueError, RecursionError):
                     await request.json()
@@ -278,7 +297,8 @@ class _FiniteJsonRequest(Request):
         return self._finite_json
 
 
-def _is_json(content_type: str | None) -> bool:
+def is_json(content_type: str | None) -> bool:
+    """Whether `content_type` is JSON (``application/json`` or ``application/*+json``)."""
     if not content_type:
         return False
     kind = content_type.split(";", 1)[0].strip().lower()
@@ -444,183 +464,3 @@ def describe_validation_as_400(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-@dataclass(frozen=True)
-class DirectRoute:
-    """A ``POST`` route with a JSON body that `DirectRoutes` answers ahead of the framework.
-
-    Attributes:
-        path: the route's path.
-        body: the body's model.
-        handle: answers a validated body (``None`` for an empty one, unless required);
-            raises `ControlError` to refuse.
-        body_required: an empty body is refused (400 ``body: Field required``) rather than
-            handed over as ``None``.
-    """
-
-    path: str
-    body: type[BaseModel]
-    handle: Callable[[Any], Awaitable[Response]]
-    body_required: bool = True
-
-
-class DirectRoutes:
-    """Pure ASGI middleware: answers ``POST`` requests to `routes` itself; every other
-    request goes on to `app`.
-
-    The framework's routing, dependency solving and per-layer wrapping cost about half a
-    millisecond per request, as long as the steps of a fused lifecycle call themselves; a
-    direct route skips them and answers as the framework route over the same handler does
-    (the API key, SGLang's 400 for a body that does not parse or validate, a number that is
-    not finite, a `ControlError`, a body over the limit, an exception no handler answered),
-    except that it checks the API key before reading the body. `DirectApp` puts it in front
-    of an app's whole middleware stack.
-
-    Args:
-        app: the app that answers every other request.
-        routes: the direct routes.
-        api_key: the key every direct route requires (None: no key).
-        max_body_bytes: refuse bodies larger than this (`BodySizeLimit`); None: no limit.
-        setting: how an operator raises `max_body_bytes` (named in the 413).
-    """
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        routes: Sequence[DirectRoute],
-        api_key: str | None,
-        max_body_bytes: int | None = None,
-        setting: str = "",
-    ):
-        self.app = app
-        self._routes = {route.path: route for route in routes}
-        self._adapters = {
-            route.path: TypeAdapter(route.body if route.body_required else route.body | None)
-            for route in routes
-        }
-        self._api_key = api_key
-        self._guarded: ASGIApp = InternalErrorGuard(self._serve)
-        if max_body_bytes is not None:
-            self._guarded = BodySizeLimit(
-                self._guarded, max_body_bytes=max_body_bytes, setting=setting
-            )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Answer a direct route's request, or pass the request on."""
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self._routes:
-            await self._guarded(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
-
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self._routes[scope["path"]]
-        headers = Headers(scope=scope)
-        response: Response
-        try:
-            check_api_key(headers.get("authorization"), self._api_key)
-            body = await _read_body(receive)
-            value = self._validate(route, body, headers.get("content-type"))
-            response = await route.handle(value)
-        except ControlError as exc:
-            response = control_error_response(exc, scope)
-        except RequestValidationError as exc:
-            response = validation_error_response(exc)
-        except _UnparsableBodyError:
-            # What the framework answers to a body its JSON parser gives up on.
-            response = JSONResponse({"detail": "There was an error parsing the body"}, 400)
-        await response(scope, receive, send)
-
-    def _validate(self, route: DirectRoute, body: bytes, content_type: str | None) -> Any:
-        """The body as the route's model, parsed as the framework parses it: JSON only under
-        a JSON content type (anything else, or no content type, is validated as bytes and
-        refused); an empty body is missing."""
-        if not body:
-            if route.body_required:
-                raise RequestValidationError(
-                    [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
-                )
-            return None
-        value: Any = body
-        if _is_json(content_type):
-            try:
-                value = loads_finite(body)
-            except json.JSONDecodeError as exc:
-                raise RequestValidationError(
-                    [
-                        {
-                            "type": "json_invalid",
-                            "loc": ("body", exc.pos),
-                            "msg": "JSON decode error",
-                            "input": {},
-                            "ctx": {"error": exc.msg},
-                        }
-                    ]
-                ) from exc
-            except (ValueError, RecursionError) as exc:
-                raise _UnparsableBodyError from exc
-        try:
-            return self._adapters[route.path].validate_python(value, from_attributes=True)
-        except ValidationError as exc:
-            errors = exc.errors(include_url=False)
-            raise RequestValidationError(
-                [{**error, "loc": ("body", *error["loc"])} for error in errors]
-            ) from exc
-
-
-class _UnparsableBodyError(Exception):
-    pass
-
-
-class DirectApp(FastAPI):
-    """A FastAPI app that answers its direct routes (`add_direct_routes`) ahead of its whole
-    middleware stack, the framework's own layers (error pages, body limits, telemetry)
-    included: each of those wraps every message of a request, which a lifecycle call whose
-    steps take a tenth of a millisecond pays for. The body limit `limit_body_size` set bounds
-    the direct routes too; everything else answers as before.
-
-    Takes FastAPI's arguments.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._direct: tuple[tuple[DirectRoute, ...], str | None] | None = None
-
-    def add_direct_routes(self, routes: Sequence[DirectRoute], *, api_key: str | None) -> None:
-        """Answer `routes` directly (`DirectRoutes`), requiring `api_key` (None: no key).
-
-        Raises:
-            RuntimeError: the app has served a request already (its stack is built).
-        """
-        if self.middleware_stack is not None:
-            raise RuntimeError("direct routes must be added before the app serves a request")
-        self._direct = (tuple(routes), api_key)
-
-    def build_middleware_stack(self) -> ASGIApp:
-        """The framework's stack, with the direct routes in front of it."""
-        stack = super().build_middleware_stack()
-        if self._direct is None:
-            return stack
-        routes, api_key = self._direct
-        limits = [m.kwargs for m in self.user_middleware if m.cls is BodySizeLimit]
-        limit = min(limits, key=lambda kwargs: kwargs["max_body_bytes"], default=None)
-        return DirectRoutes(
-            stack,
-            routes=routes,
-            api_key=api_key,
-            max_body_bytes=None if limit is None else limit["max_body_bytes"],
-            setting="" if limit is None else limit["setting"],
-        )
-
-
-async def _read_body(receive: Receive) -> bytes:
-    """The whole request body (empty when the client went away)."""
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return b""
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)

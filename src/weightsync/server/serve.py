@@ -23,6 +23,7 @@ import socket
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -36,6 +37,8 @@ from weightsync.server.app import create_main_app
 from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 from weightsync.server.config import ServeConfig
 from weightsync.server.controller import ReplicaController
+from weightsync.server.direct import DirectApp
+from weightsync.server.direct_protocol import direct_protocol
 from weightsync.server.extensions import load_extensions
 from weightsync.server.http import limit_body_size
 from weightsync.server.limits import GenerationBounds
@@ -251,9 +254,14 @@ class _Replica:
 
 
 def _server(app: FastAPI) -> _Server:
+    extra: dict[str, Any] = {}
+    if isinstance(app, DirectApp) and app.direct_routes is not None:
+        # The fused lifecycle calls are answered from the connection's bytes.
+        extra["http"] = direct_protocol(app)
     return _Server(
         uvicorn.Config(
             app,
+            **extra,
             # Clients connect directly; a forwarded-for header must not rename them.
             proxy_headers=False,
             log_config=None,

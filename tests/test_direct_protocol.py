@@ -1,0 +1,242 @@
+"""`DirectHttpProtocol` on its own: requests in order on one connection, the hand-over to
+uvicorn's protocol, keep-alive and shutdown, and the request whose client left before it ran,
+over raw sockets to real uvicorn servers (under asyncio's loop and uvloop's). What each
+reply says is `test_direct_routes`' business."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import socket
+import time
+from urllib.parse import urlsplit
+
+import pytest
+from fastapi.responses import JSONResponse
+
+from servers import app_in_thread
+from weightsync.control.models import BeginWeightSyncRequest, EndWeightSyncRequest
+from weightsync.server.direct import DirectApp, DirectRoute
+from weightsync.server.direct_protocol import KEEP_ALIVE_S, direct_protocol
+
+KEY = "protocol-key"
+LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
+
+
+class Recorder:
+    """The routes' handlers: what they were asked, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def begin(self, body: BeginWeightSyncRequest | None) -> JSONResponse:
+        selector = body.selector if body is not None else None
+        self.calls.append(f"begin {selector}")
+        return JSONResponse({"selector": selector})
+
+    async def end(self, body: EndWeightSyncRequest) -> JSONResponse:
+        self.calls.append(f"end {body.new_version}")
+        if body.new_version == "stall":
+            # Blocks the server's event loop, as a replica that cannot run (stopped) would.
+            time.sleep(0.5)
+        return JSONResponse({"new_version": body.new_version})
+
+
+def _app(recorder: Recorder) -> DirectApp:
+    app = DirectApp()
+
+    @app.get("/other")
+    async def other() -> dict[str, str]:
+        return {"served": "by the framework"}
+
+    app.add_direct_routes(
+        (
+            DirectRoute("/begin", BeginWeightSyncRequest, recorder.begin, body_required=False),
+            DirectRoute("/end", EndWeightSyncRequest, recorder.end),
+        ),
+        api_key=KEY,
+    )
+    return app
+
+
+@pytest.fixture(params=LOOPS)
+def served(request):
+    recorder = Recorder()
+    app = _app(recorder)
+    with app_in_thread(app, loop=request.param, http=direct_protocol(app)) as url:
+        parts = urlsplit(url)
+        yield (parts.hostname, parts.port), recorder
+
+
+def _request(
+    path: str, body: dict | None = None, *, method: str = "POST", extra: str = ""
+) -> bytes:
+    payload = b"" if body is None else json.dumps(body).encode()
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra}\r\n"
+    )
+    return head.encode() + payload
+
+
+def _replies(sock: socket.socket, count: int, timeout_s: float = 10.0) -> list[tuple[int, dict]]:
+    """Read `count` whole replies (status, JSON body) from `sock`."""
+    sock.settimeout(timeout_s)
+    data = b""
+    replies: list[tuple[int, dict]] = []
+    while len(replies) < count:
+        end = data.find(b"\r\n\r\n")
+        if end >= 0:
+            head = data[:end].decode("latin-1").split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in head[1:])
+            size = end + 4 + int(headers["content-length"])
+            if len(data) >= size:
+                replies.append((int(head[0].split()[1]), json.loads(data[end + 4 : size])))
+                data = data[size:]
+                continue
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError(f"closed after {len(replies)} replies")
+        data += chunk
+    return replies
+
+
+def _closed(sock: socket.socket, timeout_s: float = 5.0) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+def test_requests_written_ahead_are_answered_in_order(served) -> None:
+    address, recorder = served
+    with socket.create_connection(address) as sock:
+        sock.sendall(
+            _request("/begin", {"selector": "all"})
+            + _request("/end", {"new_version": "7"})
+            + _request("/begin")
+        )
+        assert _replies(sock, 3) == [
+            (200, {"selector": "all"}),
+            (200, {"new_version": "7"}),
+            (200, {"selector": None}),
+        ]
+    assert recorder.calls == ["begin all", "end 7", "begin None"]
+
+
+def test_a_request_in_pieces_is_answered_once_whole(served) -> None:
+    address, recorder = served
+    data = _request("/end", {"new_version": "pieces"})
+    with socket.create_connection(address) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for index in range(0, len(data), 7):
+            sock.sendall(data[index : index + 7])
+            time.sleep(0.002)
+        assert _replies(sock, 1) == [(200, {"new_version": "pieces"})]
+    assert recorder.calls == ["end pieces"]
+
+
+def test_another_route_hands_the_connection_to_uvicorn(served) -> None:
+    address, recorder = served
+    with socket.create_connection(address) as sock:
+        sock.sendall(_request("/begin", {"selector": "target"}))
+        assert _replies(sock, 1) == [(200, {"selector": "target"})]
+        # A framework route, then a direct one again: uvicorn serves the connection from
+        # the framework route on, its direct layer the direct route.
+        sock.sendall(_request("/other", method="GET") + _request("/end", {"new_version": "8"}))
+        assert _replies(sock, 2) == [
+            (200, {"served": "by the framework"}),
+            (200, {"new_version": "8"}),
+        ]
+    assert recorder.calls == ["begin target", "end 8"]
+
+
+def test_a_chunked_body_is_answered_by_uvicorn_the_same(served) -> None:
+    address, recorder = served
+    body = json.dumps({"new_version": "chunked"}).encode()
+    head = (
+        f"POST /end HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    with socket.create_connection(address) as sock:
+        sock.sendall(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        assert _replies(sock, 1) == [(200, {"new_version": "chunked"})]
+    assert recorder.calls == ["end chunked"]
+
+
+def test_connection_close_is_honoured(served) -> None:
+    address, _ = served
+    with socket.create_connection(address) as sock:
+        sock.sendall(_request("/begin", extra="Connection: close\r\n"))
+        assert _replies(sock, 1) == [(200, {"selector": None})]
+        assert _closed(sock)
+
+
+def test_a_refusal_from_the_head_closes_the_connection(served) -> None:
+    address, recorder = served
+    with socket.create_connection(address) as sock:
+        # The body never comes: the key is judged from the head, and the connection cannot
+        # carry another request after a body nobody read.
+        sock.sendall(b"POST /end HTTP/1.1\r\nHost: test\r\nContent-Length: 100\r\n\r\n")
+        assert _replies(sock, 1)[0][0] == 401
+        assert _closed(sock)
+    assert recorder.calls == []
+
+
+def test_a_request_whose_client_left_is_not_run(served, caplog) -> None:
+    address, recorder = served
+    with socket.create_connection(address) as first, socket.create_connection(address) as second:
+        # `second` is taken by the server before its loop stalls.
+        second.sendall(_request("/begin", {"selector": "target"}))
+        assert _replies(second, 1) == [(200, {"selector": "target"})]
+        with caplog.at_level(logging.WARNING, logger="weightsync.server.direct_protocol"):
+            first.sendall(_request("/end", {"new_version": "stall"}))
+            time.sleep(0.1)  # the server's loop is stalled now, for 0.5 s
+            # A request written, then given up on while the server could not read it.
+            second.sendall(_request("/begin", {"selector": "all"}))
+            second.close()
+            assert _replies(first, 1) == [(200, {"new_version": "stall"})]
+            deadline = time.monotonic() + 5.0
+            while "closed the connection before it ran" not in caplog.text:
+                assert time.monotonic() < deadline, "the dropped request was not logged"
+                time.sleep(0.01)
+    assert recorder.calls == ["begin target", "end stall"]
+
+
+def test_an_idle_connection_outlives_uvicorns_keep_alive() -> None:
+    app = _app(Recorder())
+    config = {"http": direct_protocol(app, keep_alive_s=2.0), "timeout_keep_alive": 0.2}
+    with app_in_thread(app, **config) as url:
+        parts = urlsplit(url)
+        address = (parts.hostname, parts.port)
+        with socket.create_connection(address) as ours, socket.create_connection(address) as theirs:
+            ours.sendall(_request("/begin"))
+            theirs.sendall(_request("/other", method="GET"))
+            assert _replies(ours, 1) == [(200, {"selector": None})]
+            assert _replies(theirs, 1) == [(200, {"served": "by the framework"})]
+            # uvicorn closes its idle connection after its keep-alive; this one stays.
+            assert _closed(theirs, timeout_s=3.0)
+            ours.sendall(_request("/end", {"new_version": "later"}))
+            assert _replies(ours, 1) == [(200, {"new_version": "later"})]
+            started = time.monotonic()
+            assert _closed(ours)
+            assert 1.5 < time.monotonic() - started < 4.0
+    assert KEEP_ALIVE_S >= 600.0  # a trainer's step between two syncs
+
+
+def test_shutdown_closes_idle_connections_at_once() -> None:
+    app = _app(Recorder())
+    with app_in_thread(app, http=direct_protocol(app)) as url:
+        parts = urlsplit(url)
+        sock = socket.create_connection((parts.hostname, parts.port))
+        sock.sendall(_request("/begin"))
+        assert _replies(sock, 1) == [(200, {"selector": None})]
+        started = time.monotonic()
+    try:
+        # uvicorn waits for its open connections before it stops: this one closed at once.
+        assert time.monotonic() - started < 5.0
+        assert _closed(sock)
+    finally:
+        sock.close()
