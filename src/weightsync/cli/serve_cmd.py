@@ -142,6 +142,12 @@ def serve(
             "calls) and advertise them; off: only SGLang's eight calls."
         ),
     ] = True,
+    loop: Annotated[
+        str,
+        typer.Option(
+            help="The main process's event loop: auto (uvloop where installed), asyncio or uvloop."
+        ),
+    ] = "auto",
 ) -> None:
     """Serve a reference rollout replica: the main HTTP server, the engine-info bootstrap
     server, and one process per TP rank holding SGLang-layout weights that trainers write
@@ -180,6 +186,7 @@ def serve(
             max_bootstrap_body_bytes=max_bootstrap_body_bytes,
             max_new_tokens_limit=max_new_tokens_limit,
             fused_lifecycle=fused_lifecycle,
+            event_loop=loop,
         )
     except ValueError as exc:
         typer.echo(f"weightsync serve: {exc}", err=True)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import get_args
 
+from weightsync.control.loops import EventLoopKind, event_loop_factory
 from weightsync.control.models import PauseMode, Selector
 from weightsync.sender.config import SenderConfig
 from weightsync.transport import CudaIpcConfig, MooncakeConfig, TransportConfig
@@ -45,9 +46,13 @@ class ControlConfig:
             reference server): renewed every third of it while the sync runs, so a trainer
             that dies mid-sync leaves its session to expire after at most this long, and the
             replica then marks its weights incomplete by itself.
+        event_loop: the event loop `TrainerSync` runs the lifecycle on
+            (`weightsync.control.loops`): ``auto`` (uvloop where installed), ``asyncio`` or
+            ``uvloop``.
 
     Raises:
-        ValueError: an unknown pause mode or selector, or a timeout that is not positive.
+        ValueError: an unknown pause mode, selector or event loop (or uvloop where it is not
+            installed), or a timeout that is not positive.
     """
 
     api_key: str | None = None
@@ -61,6 +66,7 @@ class ControlConfig:
     check_timeout_s: float = 600.0
     lifecycle_timeout_s: float = 10.0
     lease_s: float = 30.0
+    event_loop: EventLoopKind = "auto"
 
     def __post_init__(self) -> None:
         if self.pause_mode not in PAUSE_MODES:
@@ -80,6 +86,10 @@ class ControlConfig:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ControlConfig.api_key must not be empty; use None for no key")
+        try:
+            event_loop_factory(self.event_loop)
+        except ValueError as exc:
+            raise ValueError(f"ControlConfig.event_loop: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

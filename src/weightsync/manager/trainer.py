@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from weightsync.control.loops import new_event_loop
 from weightsync.errors import LayoutMismatchError, PartialPushError, WeightsRefusedError
 from weightsync.export.base import WeightExport
 from weightsync.export.consistency import box_digests, replica_mismatches
@@ -106,7 +107,7 @@ class TrainerSync:
             )
             if self._collective.is_driver:
                 self._manager = SyncManager(replicas, self._config.control)
-                self._loop = asyncio.new_event_loop()
+                self._loop = new_event_loop(self._config.control.event_loop)
         except BaseException:
             if self._owns_transport:
                 self._transport.close()

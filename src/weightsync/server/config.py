@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from weightsync.control.loops import event_loop_factory
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.transport import TRANSPORTS
 from weightsync.transport.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
@@ -70,6 +71,8 @@ class ServeConfig:
             plus new tokens.
         fused_lifecycle: serve ``/begin_weight_sync`` and ``/end_weight_sync`` and advertise
             ``weight_sync_fused`` (off: only the eight standard lifecycle calls, as SGLang).
+        event_loop: the main process's event loop (`weightsync.control.loops`): ``auto``
+            (uvloop where installed), ``asyncio`` or ``uvloop``.
 
     Raises:
         ValueError: a value out of range or not one of the choices.
@@ -99,6 +102,7 @@ class ServeConfig:
     max_bootstrap_body_bytes: int = DEFAULT_MAX_BOOTSTRAP_BODY_BYTES
     max_new_tokens_limit: int | None = None
     fused_lifecycle: bool = True
+    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -131,6 +135,7 @@ class ServeConfig:
             raise ValueError("base_gpu_id picks GPUs; it needs device cuda")
         _choice("mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
         _choice("log_level", self.log_level, LOG_LEVELS)
+        event_loop_factory(self.event_loop)  # type: ignore[arg-type]  # checks the choice
         _choice("load_format", self.load_format, LOAD_FORMATS)
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")

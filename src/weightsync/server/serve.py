@@ -32,6 +32,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from weightsync.checkpoint import load_config_dict
+from weightsync.control.loops import event_loop_factory
 from weightsync.receiver.events import WriterEvents
 from weightsync.server.app import create_main_app
 from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
@@ -82,7 +83,8 @@ def serve(config: ServeConfig) -> int:
     boot_sock.listen(128)
     replica = _Replica(config, bounds=bounds, main_sock=main_sock, boot_sock=boot_sock)
     try:
-        code = asyncio.run(replica.run())
+        with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
+            code = runner.run(replica.run())
     finally:
         main_sock.close()
         boot_sock.close()

@@ -16,6 +16,7 @@ from weightsync.baseline.trainer.buckets import BroadcastBucket, plan_buckets
 from weightsync.baseline.trainer.config import BroadcastConfig
 from weightsync.baseline.trainer.group import BroadcastGroup
 from weightsync.baseline.trainer.packer import BucketPacker
+from weightsync.control.loops import new_event_loop
 from weightsync.layout import model_dtype
 from weightsync.layout.dtypes import canonical_dtype_name
 from weightsync.manager import PushSummary, SyncManager, SyncReport
@@ -85,7 +86,8 @@ class BroadcastSync:
         self._buffers: list[torch.Tensor] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         if manager is not None:
-            self._loop = asyncio.new_event_loop()
+            # The same kind of loop as weightsync's own manager: the lifecycle compares alike.
+            self._loop = new_event_loop(manager.config.event_loop)
             threading.Thread(
                 target=self._loop.run_forever, name="weightsync-baseline", daemon=True
             ).start()
