@@ -5,6 +5,9 @@ not (a replica started with ``--no-fused-lifecycle``), in one sync of both."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 
@@ -182,3 +185,30 @@ def test_a_replica_off_the_gpu_refuses_events_to_wait_for_and_stays_paused(repli
             "/end_weight_sync", json={"new_version": "71", "session_token": begun["session_token"]}
         )
         assert ended.status_code == 200 and not _state(http)["paused"]
+
+
+def test_a_pause_past_the_calls_budget_answers_504_and_has_taken_effect(replicas) -> None:
+    # The pause waits for the running request; past the call's budget the begin stops there
+    # (the pause stands, as a pause whose caller gave up) and opens no session.
+
+    fused, _ = replicas
+    with httpx.Client(base_url=fused.url, headers=AUTH, timeout=120.0) as http:
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500}}
+        generated: list[httpx.Response] = []
+        worker = threading.Thread(
+            target=lambda: generated.append(http.post("/generate", json=body))
+        )
+        worker.start()
+        deadline = time.monotonic() + 30.0
+        while _state(http)["num_running_requests"] != 1:
+            assert time.monotonic() < deadline, "the generation did not start"
+            time.sleep(0.005)
+        late = http.post("/begin_weight_sync", json={"lease_s": 30.0, "budget_s": 0.01})
+        assert late.status_code == 504 and late.json()["route"] == "/pause_generation"
+        assert "did not finish within budget_s=0.01 (it has taken effect)" in late.json()["message"]
+        assert late.json()["completed"] == []
+        state = _state(http)
+        assert state["paused"] and state["weight_update_session"] == "closed"
+        worker.join(120.0)
+        assert generated and generated[0].status_code == 200
+        assert http.post("/continue_generation", json={}).status_code == 200

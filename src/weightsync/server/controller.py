@@ -976,7 +976,9 @@ async def _run_steps(
             raise StepRefusedError(late, route=route, completed=completed)
         try:
             if route == "/pause_generation" and deadline is not None:
-                value = await asyncio.wait_for(step(), max(0.0, deadline - time.monotonic()))
+                # A deadline on the running task, not a task of its own: no loop turn.
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                    value = await step()
             else:
                 value = await step()
         except TimeoutError:
@@ -991,6 +993,12 @@ async def _run_steps(
         completed.append(route)
         took.append(f"{route} {(time.perf_counter() - started) * 1e3:.2f} ms")
     return value
+
+
+def _loop_deadline(deadline: float) -> float:
+    """`deadline` (`time.monotonic`) on the running loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (deadline - time.monotonic())
 
 
 def _check_lease(lease_s: float | None) -> None:
