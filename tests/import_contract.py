@@ -19,12 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # The packages and top-level modules of weightsync, and what each may import of the others.
-_BASE = {"errors", "layout", "torch_dtypes", "checkpoint"}
+_BASE = {"errors", "layout", "torch_dtypes", "checkpoint", "cuda_events"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "layout": {"errors"},
     "torch_dtypes": {"layout"},
     "checkpoint": {"errors", "layout"},
+    "cuda_events": set(),
     "plan": {"errors", "layout"},
     "transport": {"errors"},
     "control": _BASE,

@@ -119,7 +119,7 @@ def test_a_replica_that_moves_its_weights_is_refused_before_any_write() -> None:
         calls.append(f"/{route}")
         return {"status": "ok", "success": True, "message": ""}
 
-    async def push(targets, epoch):
+    async def push(targets, epoch, fences):
         raise AssertionError("nothing may be written into a refused replica")
 
     async def update(url: str) -> None:

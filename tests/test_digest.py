@@ -137,6 +137,25 @@ def test_the_replica_sums_match_the_reference_per_parameter(
     }
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_launched_digest_is_what_the_bytes_held_at_its_launch(device: str) -> None:
+    # Launched, then the bytes change behind it (on a GPU: later on the same stream, as a
+    # writer that waited for the launch's event): collect gives what they held before.
+    params = {"a": torch.arange(4096, dtype=torch.int32, device=device)}
+    digests = ParameterDigests(params)
+    before = digests.compute()
+    handle = digests.launch()
+    assert (handle is not None) == (device == "cuda") == digests.on_gpu
+    if handle is not None:
+        assert len(bytes.fromhex(handle)) == 64  # a cudaIpcEventHandle_t
+        assert digests.launch() == handle  # one event, recorded anew; the pending one read
+    params["a"].view(torch.uint8)[0] += 1
+    assert digests.collect() == before
+    with pytest.raises(RuntimeError, match="without a launch"):
+        digests.collect()
+    assert digests.compute() != before
+
+
 def test_the_sender_sums_of_spans_match_the_reference() -> None:
     from weightsync.plan.program import SampleSpan
 

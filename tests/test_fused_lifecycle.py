@@ -14,7 +14,7 @@ import pytest
 import weightsync as ws
 from servers import start_replicas
 from weightsync.control.base import AsyncHttpClient
-from weightsync.control.protocol import WEIGHT_SYNC_EVENTS, WEIGHT_SYNC_FUSED
+from weightsync.control.protocol import WEIGHT_SYNC_EVENTS, WEIGHT_SYNC_FENCE, WEIGHT_SYNC_FUSED
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 
 TINY = preset_config("tiny")
@@ -183,6 +183,27 @@ def test_a_replica_off_the_gpu_refuses_events_to_wait_for_and_stays_paused(repli
         begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
         ended = http.post(
             "/end_weight_sync", json={"new_version": "71", "session_token": begun["session_token"]}
+        )
+        assert ended.status_code == 200 and not _state(http)["paused"]
+
+
+def test_a_replica_off_the_gpu_refuses_a_fence_and_opens_no_session(replicas) -> None:
+    # A fence is an event a writer on the replica's host waits for (weight_sync_fence): a
+    # replica on the CPU has none to give. Its begin refuses at its own step, after the
+    # pause and the release ran, with no session open.
+    fused, _ = replicas
+    with httpx.Client(base_url=fused.url, headers=AUTH, timeout=60.0) as http:
+        info = http.get("/server_info").json()
+        assert WEIGHT_SYNC_FENCE not in info["weightsync"]["capabilities"]
+        refused = http.post("/begin_weight_sync", json={"lease_s": 30.0, "fence": True})
+        assert refused.status_code == 400 and refused.json()["route"] == "/begin_weight_update"
+        assert "weight_sync_fence" in refused.json()["message"]
+        assert refused.json()["completed"] == BEGIN[:2]
+        assert _state(http)["weight_update_session"] == "closed"
+        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
+        assert begun["success"] and "fences" not in begun
+        ended = http.post(
+            "/end_weight_sync", json={"new_version": "72", "session_token": begun["session_token"]}
         )
         assert ended.status_code == 200 and not _state(http)["paused"]
 

@@ -105,6 +105,11 @@ def test_update_session_and_version(transports):
             agent.end_update()
         with pytest.raises(ValueError, match="no draft model"):
             agent.begin_update("draft")
+        # A fence is an event a GPU's digest completes at; these parameters are on the CPU.
+        assert not agent.can_fence
+        with pytest.raises(ValueError, match="tp rank 1 cannot fence"):
+            agent.begin_update("target", fence=True)
+        assert not agent.session_open
         agent.begin_update("target")
         assert agent.session_open
         with pytest.raises(UpdateSessionError, match="already open on tp rank 1"):

@@ -271,3 +271,42 @@ def test_a_sync_ends_while_its_copies_run_and_the_replica_verifies_them(replica,
         assert stats.replayed and stats.in_flight and len(report.push.events) == 1
         assert report.verified == (replica.url,)
         assert report.phases.push > 0 and report.phases.finalize >= 0
+
+
+def test_a_fenced_begin_answers_first_and_its_end_says_what_changed_outside(replica):
+    # Bytes written into the replica outside any session; a fenced begin answers before its
+    # digest ran (the event it hands out is what writers wait for) and cannot tell them yet;
+    # its end can.
+    from weightsync.control.protocol import WEIGHT_SYNC_FENCE
+    from weightsync.cuda_events import IpcEvents
+    from weightsync.transport import CudaIpcConfig, open_transport
+
+    with httpx.Client(base_url=replica.url, headers=AUTH, timeout=60.0) as http:
+        info = http.get("/server_info").json()
+        assert WEIGHT_SYNC_FENCE in info["weightsync"]["capabilities"]
+        engine = http.get("/remote_instance_transfer_engine_info", params={"rank": 0}).json()
+        session_id, weights_info = engine["remote_instance_transfer_engine_info"]
+        name = next(n for n in sorted(weights_info) if n.endswith("input_layernorm.weight"))
+        addr, numel, element_size = weights_info[name]
+        transport = open_transport(CudaIpcConfig(device=0))
+        try:
+            source = torch.full((numel * element_size,), 7, dtype=torch.uint8, device="cuda:0")
+            transport.register(source.data_ptr(), source.numel())
+            written = transport.write(session_id, [source.data_ptr()], [addr], [source.numel()])
+            transport.wait(written, 30.0)
+        finally:
+            transport.close()
+
+        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0, "fence": True}).json()
+        assert begun["success"] and begun.get("changed_outside", []) == []
+        (fence,) = begun["fences"]
+        assert IpcEvents(torch.device("cuda", 0)).wait([fence], 10.0)
+        ended = http.post(
+            "/end_weight_sync",
+            json={"new_version": "fenced", "session_token": begun["session_token"]},
+        ).json()
+        assert ended["success"] and ended["changed_outside"] == [f"tp rank 0: {name}"]
+        assert logged(replica, "changed outside a weight-update session")
+        # The session's versioned end is a complete update again: the replica serves.
+        info = http.get("/server_info").json()
+        assert info["weightsync"]["weights"]["complete"] and not info["state"]["paused"]

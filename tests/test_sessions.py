@@ -223,7 +223,7 @@ def test_the_manager_renews_the_lease_through_a_push_longer_than_it(replica) -> 
 
     lease_s = 1.0
 
-    async def slow_push(targets, epoch) -> PushSummary:
+    async def slow_push(targets, epoch, fences) -> PushSummary:
         await asyncio.sleep(2.5 * lease_s)  # the lease would lapse twice over
         return PushSummary(bytes_written=0, bytes_staged=0, num_writes=0, num_regions=0)
 
@@ -244,7 +244,7 @@ def _landing_push(landed_after_s: float, error: BaseException | None = None):
     and lands `landed_after_s` later (or fails with `error`)."""
     from weightsync.manager import PushSummary
 
-    async def push(targets, epoch) -> PushSummary:
+    async def push(targets, epoch, fences) -> PushSummary:
         loop = asyncio.get_running_loop()
         landed: asyncio.Future[float] = loop.create_future()
 

@@ -247,13 +247,15 @@ class RolloutClient(AsyncHttpClient):
         selector: Selector = "target",
         lease_s: float | None = None,
         budget_s: float | None = None,
+        fence: bool = False,
         timeout_s: float | None = None,
     ) -> WeightSyncStepResponse:
         """``POST /begin_weight_sync`` (servers with capability ``weight_sync_fused``):
         `pause_generation` (unless `pause_mode` is None), `release_memory_occupation` of the
         KV cache (with `release_kv_cache`) and `begin_weight_update`, in one call; the
         server stops where it runs past `budget_s` seconds (give `timeout_s` a margin over
-        it, to hear why).
+        it, to hear why). With `fence` (capability ``weight_sync_fence``) the reply's
+        ``fences`` name the CUDA events every writer must wait for before it writes.
 
         Raises:
             LifecycleStepError: a step refused: ``route`` names it, ``completed`` the steps
@@ -266,6 +268,7 @@ class RolloutClient(AsyncHttpClient):
             selector=selector,
             lease_s=lease_s,
             budget_s=budget_s,
+            fence=fence,
         )
         return await self._fused("/begin_weight_sync", _without_none(body), timeout_s)
 

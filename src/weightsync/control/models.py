@@ -107,6 +107,9 @@ class BeginWeightSyncRequest(_Request):
     ``release_kv_cache=False`` keeps the KV cache. With ``budget_s`` the call stops where
     it runs past that many seconds (a pause waiting on a long request stops waiting; it has
     taken effect, as a pause whose caller gave up): answered 504, the steps after it not run.
+    ``fence`` (capability ``weight_sync_fence``): the session's begin digest is queued on
+    the replica's GPU, not waited for; the reply's ``fences`` are the IPC handles of the CUDA
+    events it completes at, one per tp rank, which every writer waits for before it writes.
     """
 
     pause_mode: PauseMode | None = "abort"
@@ -114,6 +117,7 @@ class BeginWeightSyncRequest(_Request):
     selector: Selector = "target"
     lease_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     budget_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    fence: bool = False
 
 
 IpcEventHandle = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
@@ -270,10 +274,13 @@ class UpdateWeightVersionResponse(SuccessResponse):
 class WeightSyncStepResponse(BeginWeightUpdateResponse):
     """The reply of ``/begin_weight_sync`` and ``/end_weight_sync``: ``completed`` lists the
     routes whose step ran, in order; when a step refused, ``route`` names it and the status
-    and ``message`` are what that route answers alone (later steps did not run)."""
+    and ``message`` are what that route answers alone (later steps did not run). A fenced
+    begin's ``fences`` are its tp ranks' event handles, in rank order; its end lists in
+    ``changed_outside`` what had changed outside a session before it."""
 
     completed: list[str] = Field(default_factory=list)
     route: str | None = None
+    fences: list[IpcEventHandle] = Field(default_factory=list)
 
 
 class WeightVersionResponse(_Response):

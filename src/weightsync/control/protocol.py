@@ -43,6 +43,11 @@ WEIGHT_SYNC_FUSED = "weight_sync_fused"
 # same host complete at; the replica waits for them (with the call's budget) before it
 # verifies, so the end may be sent while the copies still run.
 WEIGHT_SYNC_EVENTS = "weight_sync_events"
+# begin_weight_sync takes fence: the replica queues the digest a session begins with on its
+# GPU and answers at once with the IPC handles (one per tp rank) of the CUDA events it
+# completes at; every writer waits for them before it writes (writers on the replica's host:
+# a replica whose transport is CUDA IPC), and the end reports what changed outside a session.
+WEIGHT_SYNC_FENCE = "weight_sync_fence"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

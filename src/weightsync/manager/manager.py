@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from weightsync.control import RolloutClient
 from weightsync.control.protocol import (
     PARALLELISM_CONFIG,
     WEIGHT_SYNC_EVENTS,
+    WEIGHT_SYNC_FENCE,
     WEIGHT_SYNC_FUSED,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
@@ -42,9 +43,11 @@ T = TypeVar("T")
 # A fused call's server-side budget is one call's deadline; the reply may take this longer.
 _REPLY_MARGIN_S = 1.0
 
-PushFn = Callable[[Sequence[TargetRank], int], Awaitable[PushSummary]]
+PushFn = Callable[[Sequence[TargetRank], int, Mapping[str, str]], Awaitable[PushSummary]]
 """Writes the new weights into `targets`; the int is the metadata epoch (it changes whenever
-the targets do, so a caller may cache its plan per epoch)."""
+the targets do, so a caller may cache its plan per epoch); the mapping gives, by target session
+id, the IPC handle (hex) of the CUDA event that writes into that rank must follow (its begin
+digest, with ``update_weights(fence=True)``; empty otherwise)."""
 
 
 class SyncManager:
@@ -61,7 +64,8 @@ class SyncManager:
     4. first update, or after `add_replica` / `remove_replica`: fetch every rank's transfer
        engine info and parallelism config (cached until membership changes); with
        ``check_weight_update_equal``, snapshot and corrupt the weights of every replica;
-    5. ``push(targets, epoch)``: the caller's trainer ranks write their share of the plan; a
+    5. ``push(targets, epoch, fences)``: the caller's trainer ranks write their share of the
+       plan (after each rank's fence, where its replica fenced the begin); a
        `LayoutMismatchError` or `WeightsRefusedError` from it means the plan or the weights
        were refused before any write, and the replicas resume serving their previous weights;
     6. ``update_weight_version`` and ``end_weight_update`` on every replica, with the
@@ -121,6 +125,8 @@ class SyncManager:
         self._released: set[str] = set()
         self._paused: set[str] = set()
         self._sessions: dict[str, str | None] = {}
+        self._fence = False  # this update asks replicas that can for a fenced begin
+        self._fences: dict[str, tuple[str, ...]] = {}  # the fenced begins' events, by URL
         self._membership = 0  # counts membership changes
         for url in replicas:
             self._add(url)
@@ -236,13 +242,19 @@ class SyncManager:
         """What replica `url` serves, once first contact learned it (else None)."""
         return self._protocols.get(url)
 
-    async def update_weights(self, push: PushFn, *, version: str | None = None) -> SyncReport:
+    async def update_weights(
+        self, push: PushFn, *, version: str | None = None, fence: bool = False
+    ) -> SyncReport:
         """Run one update through every replica; see the class docstring for the order.
 
         Args:
             push: writes the weights into the targets it is given and returns what it wrote.
             version: the new weight version; default: one more than the largest numeric
                 version a replica serves (or than this manager's last).
+            fence: begin with a fence where a replica takes one (``weight_sync_fence``):
+                its begin digest is not waited for, and `push` must make every write into
+                a rank follow the event it is given for that rank (`WeightSender.push`'s
+                ``fences`` do). Only for pushes written from this host over CUDA IPC.
 
         Returns:
             What the update did, with seconds per phase, the replicas that verified it and
@@ -264,6 +276,7 @@ class SyncManager:
         t0 = time.perf_counter()
         dropped: dict[str, str] = {}
         self._released, self._paused, self._sessions = set(), set(), {}
+        self._fence, self._fences = fence, {}
         live = await self._first_contact(tuple(self._replicas), dropped)
         new_version = self._next_version(version, live)
         # Renewing from the start: a fused begin opens sessions while others' calls may still
@@ -304,7 +317,9 @@ class SyncManager:
         refreshed = any(u not in self._ranks for u in live)
         try:
             targets = await self._live_targets(live, dropped)
+            fences = await self._fences_of(targets, dropped)
             live = tuple(u for u in live if u not in dropped)
+            targets = tuple(t for t in targets if t.replica in live)
             if cfg.check_weight_update_equal and not self._checked:
                 # Snapshot and corrupt once; until a sync restores them, the replicas hold
                 # random weights and a retry must not snapshot those.
@@ -322,7 +337,7 @@ class SyncManager:
         failed: dict[str, str] = {}
         overlap = False
         try:
-            summary = await push(targets, self._epoch)
+            summary = await push(targets, self._epoch, fences)
             overlap = self._overlaps(summary, live, targets)
             if summary.landed is not None and not overlap:
                 await summary.landed
@@ -544,6 +559,7 @@ class SyncManager:
                     lease_s=cfg.lease_s if leased else None,
                     # One call's deadline for the three (a lease must not lapse meanwhile).
                     budget_s=timeout,
+                    fence=self._fence and self._protocols[url].serves(WEIGHT_SYNC_FENCE),
                     timeout_s=timeout + _REPLY_MARGIN_S,
                 )
             except LifecycleStepError as exc:
@@ -561,6 +577,8 @@ class SyncManager:
             # Held from now, not once every replica answered: the renewals start at once.
             self._sessions[url] = reply.session_token
             self._log_changed_outside(url, reply.changed_outside)
+            if reply.fences:
+                self._fences[url] = tuple(reply.fences)
             return reply.session_token
 
         if cfg.manage_generation:
@@ -647,6 +665,34 @@ class SyncManager:
         key = (self._membership, frozenset(live))
         self._epoch = self._epochs.setdefault(key, len(self._epochs) + 1)
         return tuple(t for u in live for t in self._ranks[u])
+
+    async def _fences_of(
+        self, targets: Sequence[TargetRank], dropped: dict[str, str]
+    ) -> dict[str, str]:
+        """The fenced begins' events by target session id. A replica that answered other
+        than one event per rank is dropped (and resumed) before any write: its writes could
+        race its digest."""
+        ranks: dict[str, list[TargetRank]] = {}
+        for target in targets:
+            ranks.setdefault(target.replica, []).append(target)
+        fences: dict[str, str] = {}
+        wrong: dict[str, Any] = {}
+        for url, events in self._fences.items():
+            mine = ranks.get(url, [])
+            if len(events) != len(mine) or any(t.rank >= len(events) for t in mine):
+                wrong[url] = RemoteReplicaError(
+                    f"replica {url}: begin_weight_sync answered {len(events)} fence(s) for "
+                    f"{len(mine)} rank(s)",
+                    replica=url,
+                    route="/begin_weight_sync",
+                )
+                continue
+            fences.update({t.session_id: events[t.rank] for t in mine})
+        if wrong:
+            live = tuple(u for u in ranks if u not in dropped)
+            if not await self._drop_failed(live, wrong, dropped, "begin_weight_sync"):
+                self._raise_all_dropped(dropped, stage="begin_weight_sync")
+        return fences
 
     async def _gather_targets(self, replicas: tuple[str, ...]) -> dict[str, Any]:
         """Every replica's ranks (a tuple), or the exception its fetch raised (by URL)."""
@@ -797,7 +843,7 @@ class SyncManager:
             token = self._sessions.get(url)
             verify = self._protocols[url].serves(WEIGHT_UPDATE_DIGEST) and url in digests
             try:
-                await self._clients[url].end_weight_sync(
+                reply = await self._clients[url].end_weight_sync(
                     new_version=new_version,
                     session_token=token,
                     digests=digests[url] if verify else None,
@@ -817,6 +863,8 @@ class SyncManager:
                 return verify, exc
             self._sessions.pop(url, None)
             self._released.discard(url)
+            # A fenced begin's finding, known at the end.
+            self._log_changed_outside(url, reply.changed_outside)
             return verify, None
 
         outcomes = await _settled(finish(u) for u in replicas)

@@ -7,7 +7,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from weightsync.control.loops import new_event_loop
@@ -227,19 +227,27 @@ class TrainerSync:
             return self._follow(export)
         pushed = False
 
-        def plan_and_push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
+        def plan_and_push(
+            targets: Sequence[TargetRank], epoch: int, fences: Mapping[str, str]
+        ) -> PushSummary:
             nonlocal pushed
             # The driver builds (and validates) the plan before any rank writes, so a
             # mismatch fails the sync with nothing written.
             plans = self._source_plans(targets, epoch, holdings)
             pushed = True
-            order = PushOrder(new_plan=plans is not None, fp8_block_size=rollout_fp8(targets))
+            order = PushOrder(
+                new_plan=plans is not None,
+                fp8_block_size=rollout_fp8(targets),
+                fences=dict(fences),
+            )
             self._collective.broadcast(order, (PushOrder,))
             # Only the driver's copies may stay in flight: it waits for them (the other
             # ranks' land before their outcomes reach it).
             return self._push(export, targets, order, plans, wait=False)
 
-        async def push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
+        async def push(
+            targets: Sequence[TargetRank], epoch: int, fences: Mapping[str, str]
+        ) -> PushSummary:
             # One worker thread for the whole push: it blocks on collectives and the GPU,
             # never the manager's loop. A push that leaves its copies in flight hands its
             # summary over at once, and the thread goes on to wait for them (`landed`).
@@ -250,7 +258,7 @@ class TrainerSync:
 
             def work() -> None:
                 try:
-                    summary = plan_and_push(targets, epoch)
+                    summary = plan_and_push(targets, epoch, fences)
                 except BaseException as exc:
                     loop.call_soon_threadsafe(_settle, queued, exc)
                     return
@@ -271,7 +279,8 @@ class TrainerSync:
             return await queued
 
         try:
-            report = self.run(self._manager.update_weights(push, version=version))
+            # Every rank's sender waits for the fences of the targets it writes to.
+            report = self.run(self._manager.update_weights(push, version=version, fence=True))
         except BaseException as exc:
             try:
                 if not pushed:
@@ -409,7 +418,7 @@ class TrainerSync:
             verdicts = [v for v in self._collective.all_gather(refused) if v is not None]
             if verdicts:
                 raise verdicts[0]
-            stats = self._sender.push(self._plan, export, wait=wait)
+            stats = self._sender.push(self._plan, export, wait=wait, fences=order.fences)
             outcome = RankOutcome(rank=self.rank, stats=stats)
         except CollectiveError:
             raise

@@ -37,12 +37,18 @@ class SessionCheck:
             the expected one or that had none expected.
         verified: at end, expected digests were given and every parameter matched.
         seconds: what computing the digests took (the cost of the checks).
+        fence: at a fenced begin, the IPC handle (hex) of the CUDA event the begin's digest
+            completes at: writes into the rank must follow it.
+        changed_outside: at the end of a session begun with a fence, what its begin would
+            have said in `changed` (known once the digest was read).
     """
 
     changed: tuple[str, ...] = ()
     mismatched: tuple[str, ...] = ()
     verified: bool = False
     seconds: float = 0.0
+    fence: str | None = None
+    changed_outside: tuple[str, ...] = ()
 
 
 class RolloutAgent:
@@ -116,6 +122,8 @@ class RolloutAgent:
         self._digests = ParameterDigests(self._params)
         self._reference = self._digests.compute()  # what the weights held at the last end
         self._at_begin: dict[str, int] = {}
+        self._fenced = False  # the open session's begin digest is still to be read
+        self._changed_outside: tuple[str, ...] = ()  # what a fenced begin found, for its end
         self._registered: list[int] = []
         self._regions = memory_regions(self._params.values())
         try:
@@ -198,16 +206,29 @@ class RolloutAgent:
             if isinstance(result, BaseException):
                 raise result
 
-    def begin_update(self, selector: Selector = "target") -> SessionCheck:
+    @property
+    def can_fence(self) -> bool:
+        """Whether `begin_update` can fence (the parameters are on a GPU)."""
+        return self._digests.on_gpu
+
+    def begin_update(self, selector: Selector = "target", *, fence: bool = False) -> SessionCheck:
         """Open a weight-update session; the engine must not generate until `end_update`.
+
+        The session begins with a digest of what every parameter holds. With `fence` it is
+        queued on the GPU and not waited for: the returned check carries the IPC handle of
+        the event it completes at, which every writer must wait for before it writes into
+        this rank (a writer on this host: CUDA IPC), and `end_update` reports what changed
+        outside a session (``changed_outside``).
 
         Returns:
             The parameters whose bytes changed since the last session ended (written from
-            outside a session; empty when nothing was).
+            outside a session; empty when nothing was, and with `fence`); with `fence`, the
+            event's handle.
 
         Raises:
             UpdateSessionError: a session is already open.
-            ValueError: ``selector="draft"``: this agent holds no draft model.
+            ValueError: ``selector="draft"``: this agent holds no draft model; `fence` where
+                the parameters are not on a GPU.
         """
         if selector == "draft":
             raise ValueError("this rank has no draft model; use selector 'target' or 'all'")
@@ -216,13 +237,33 @@ class RolloutAgent:
                 f"a weight-update session (selector={self._session_selector}) is already open "
                 f"on tp rank {self._parallelism.tp_rank}; end it before beginning another"
             )
+        if fence and not self.can_fence:
+            raise ValueError(
+                f"tp rank {self._parallelism.tp_rank} cannot fence a session: its parameters "
+                "are not on a GPU; begin without fence"
+            )
         start = time.perf_counter()
+        if fence:
+            handle = self._digests.launch()
+            self._session_selector = selector
+            self._fenced = True
+            return SessionCheck(fence=handle, seconds=time.perf_counter() - start)
         self._at_begin = self._digests.compute()
         self._session_selector = selector
         return SessionCheck(
             changed=_differing(self._at_begin, self._reference),
             seconds=time.perf_counter() - start,
         )
+
+    def read_fenced_begin(self) -> None:
+        """Read the digest a fenced begin queued (done once writes began: every writer
+        waited for it) and keep what it found changed outside a session, for `end_update`.
+        Called while the session's writes are still landing, it spares the end that work;
+        `end_update` does it otherwise. Nothing without a fenced begin pending."""
+        if self._fenced:
+            self._fenced = False
+            self._at_begin = self._digests.collect()
+            self._changed_outside = _differing(self._at_begin, self._reference)
 
     def end_update(self, expected: Mapping[str, int] | None = None) -> SessionCheck:
         """Verify what arrived, run the engine's post-load processing and close the session.
@@ -233,7 +274,8 @@ class RolloutAgent:
 
         Returns:
             Which parameters the session changed and, with `expected`, which do not hold
-            what the trainers wrote (every parameter must have a digest: a sync writes all).
+            what the trainers wrote (every parameter must have a digest: a sync writes all);
+            after a fenced begin, which had changed outside a session before it.
 
         Raises:
             UpdateSessionError: no session is open.
@@ -245,6 +287,8 @@ class RolloutAgent:
             )
         try:
             start = time.perf_counter()
+            self.read_fenced_begin()
+            changed_outside, self._changed_outside = self._changed_outside, ()
             # Before post-load processing, which may rewrite parameters in place.
             now = self._digests.compute()
             seconds = time.perf_counter() - start
@@ -268,10 +312,13 @@ class RolloutAgent:
             mismatched=mismatched,
             verified=expected is not None and not mismatched,
             seconds=seconds,
+            changed_outside=changed_outside,
         )
 
     def digests(self) -> dict[str, int]:
         """``{param_name: digest}`` of what every parameter holds now."""
+        # A fenced begin's digest shares the host buffer: read it before another runs.
+        self.read_fenced_begin()
         return self._digests.compute()
 
     def weights_checker(

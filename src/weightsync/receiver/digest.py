@@ -21,6 +21,11 @@ class ParameterDigests:
     digests twice while generation waits, and one graph launch costs less than launching
     each kernel.
 
+    `compute` computes them now. `launch` and `collect` split that in two on a GPU: the
+    graph is queued and an interprocess event recorded after it (its IPC handle returned,
+    so that a writer on this host can wait for it), and `collect` reads the sums later.
+    One launch is pending at a time: `launch` and `compute` collect a pending one first.
+
     Args:
         params: the rank's parameters by name (each contiguous, none empty).
     """
@@ -48,14 +53,55 @@ class ParameterDigests:
         self._base = base.to(self._device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._host = torch.zeros(0, dtype=torch.int64)
+        self._done: torch.cuda.Event | None = None  # recorded after each replay
+        self._done_handle = ""
+        self._launched: dict[str, int] | None = None  # computed by a launch on the CPU
+        self._pending = False
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the digests run as GPU work (`launch` returns an event's handle)."""
+        return self._device.type == "cuda" and bool(self._names)
 
     def compute(self) -> dict[str, int]:
         """``{param_name: digest}`` of what every parameter holds now (one device sync)."""
-        if self._device.type != "cuda" or not self._names:
-            return dict(zip(self._names, self._sums().tolist(), strict=True))
+        self.launch()
+        return self.collect()
+
+    def launch(self) -> str | None:
+        """Start the digests of what every parameter holds now, on the current stream.
+
+        Returns:
+            On a GPU, the IPC handle (hex) of the interprocess event they complete at;
+            elsewhere None (they were computed now).
+        """
+        if self._pending:
+            self.collect()
+        self._pending = True
+        if not self.on_gpu:
+            self._launched = dict(zip(self._names, self._sums().tolist(), strict=True))
+            return None
         graph = self._graph or self._capture()
         graph.replay()
-        torch.cuda.current_stream(self._device).synchronize()
+        assert self._done is not None  # made by `_capture`
+        self._done.record(torch.cuda.current_stream(self._device))
+        return self._done_handle
+
+    def collect(self) -> dict[str, int]:
+        """``{param_name: digest}`` as the pending `launch` found them (waits for it).
+
+        Raises:
+            RuntimeError: nothing was launched since the last collect.
+        """
+        if not self._pending:
+            raise RuntimeError("ParameterDigests.collect without a launch")
+        self._pending = False
+        if not self.on_gpu:
+            launched, self._launched = self._launched, None
+            assert launched is not None
+            return launched
+        assert self._done is not None
+        self._done.synchronize()
         return dict(zip(self._names, self._host.tolist(), strict=True))
 
     def _sums(self) -> torch.Tensor:
@@ -79,6 +125,10 @@ class ParameterDigests:
             # an inline command) is captured; other threads' work is not affected.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._host.copy_(self._sums(), non_blocking=True)
+            # Interprocess: a writer on this host may wait for it (a session's fence).
+            self._done = torch.cuda.Event(interprocess=True)
+            self._done.record()
+            self._done_handle = self._done.ipc_handle().hex()
         self._graph = graph
         return graph
 

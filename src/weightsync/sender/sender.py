@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,7 @@ from weightsync.sender.direct import (
     wait_stream,
 )
 from weightsync.sender.executor import ArrivalTable, ProgramRun, arrival_table
+from weightsync.sender.fences import PushFences
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
 from weightsync.sender.staging import StagingRing, transport_reads
@@ -104,6 +106,7 @@ class WeightSender:
         self._landing: dict[torch.device, tuple[torch.cuda.Event, str]] = {}
         self._recorded: tuple[torch.cuda.Event, str] | None = None
         self._in_flight: tuple[torch.cuda.Event, PushStats] | None = None
+        self._fences: PushFences | None = None
         self._closed = False
 
     @property
@@ -212,7 +215,14 @@ class WeightSender:
                 refuse_non_finite(program, export)
         self._preflighted = (id(plan), id(export), all_cached)
 
-    def push(self, plan: SourcePlan, export: WeightExport, *, wait: bool = True) -> PushStats:
+    def push(
+        self,
+        plan: SourcePlan,
+        export: WeightExport,
+        *,
+        wait: bool = True,
+        fences: Mapping[str, str] | None = None,
+    ) -> PushStats:
         """Write this rank's share of a sync into the plan's targets.
 
         Args:
@@ -225,6 +235,9 @@ class WeightSender:
                 (``PushStats.in_flight``, with the IPC handle of the event the copies
                 complete at in ``PushStats.events``); `wait_landed` then waits for them.
                 Other pushes wait either way.
+            fences: by target session id, the IPC handle (hex) of a CUDA event on this host
+                that writes into that target must follow (a replica's fenced begin digest):
+                waited for, up to ``config.timeout_s``, before the first write.
 
         Returns:
             What was staged and written, and how long it took.
@@ -239,6 +252,7 @@ class WeightSender:
                 naming the first target and its parameters; ``failed`` lists every failed
                 target); every write to the other targets landed, and ``result`` holds this
                 push's `PushStats` (their digests included).
+            TransferError: a fence was not reached in time (nothing was written).
         """
         if self._closed:
             raise ValueError("push() on a closed WeightSender")
@@ -247,6 +261,8 @@ class WeightSender:
         if not checked:
             _begin_push(export)
         self._settle()
+        if fences:
+            self._fences_here().wait(plan, fences, self.config.timeout_s)
         if not plan.parts:
             stats = self._push_one(plan, export, whole=plan, checked=checked, wait=wait)
         else:
@@ -305,6 +321,14 @@ class WeightSender:
             for session in stats.bytes_per_target
         }
         raise _partial(failed, stats, num_targets=len(failed))
+
+    def _fences_here(self) -> PushFences:
+        """What waits for fences on this rank's GPU (the transport's, else the current)."""
+        if self._fences is None:
+            device = getattr(self._transport, "device", None)
+            index = device if isinstance(device, int) else torch.cuda.current_device()
+            self._fences = PushFences(torch.device("cuda", index))
+        return self._fences
 
     def _settle(self) -> None:
         """Wait (up to ``config.timeout_s``) for copies left in flight that nobody waited

@@ -277,9 +277,14 @@ def create_main_app(
         the session; 400 if none is open, for another holder's token, for digests that do
         not match (the weights are then incomplete), and without a JSON body (``{}``), as
         SGLang."""
-        return await success_reply(
-            controller.end_weight_update(token=body.session_token, digests=body.digests)
-        )
+
+        async def end() -> str:
+            ended = await controller.end_weight_update(
+                token=body.session_token, digests=body.digests
+            )
+            return ended.message
+
+        return await success_reply(end())
 
     @app.post(
         "/update_weight_version",
@@ -368,6 +373,7 @@ def _add_fused_routes(
                 selector=body.selector,
                 lease_s=body.lease_s,
                 budget_s=body.budget_s,
+                fence=body.fence,
             )
         except StepRefusedError as exc:
             return refused(exc)
@@ -376,11 +382,13 @@ def _add_fused_routes(
             extra |= {"session_token": grant.token, "lease_s": grant.lease_s}
         if grant.changed_outside:
             extra["changed_outside"] = list(grant.changed_outside)
+        if grant.fences:
+            extra["fences"] = list(grant.fences)
         return success_body(True, grant.message, **extra)
 
     async def end(body: EndWeightSyncRequest) -> JSONResponse:
         try:
-            message, completed = await controller.end_weight_sync(
+            ended, completed = await controller.end_weight_sync(
                 new_version=body.new_version,
                 token=body.session_token,
                 digests=body.digests,
@@ -392,7 +400,10 @@ def _add_fused_routes(
             )
         except StepRefusedError as exc:
             return refused(exc)
-        return success_body(True, message, completed=list(completed))
+        extra: dict[str, Any] = {"completed": list(completed)}
+        if ended.changed_outside:
+            extra["changed_outside"] = list(ended.changed_outside)
+        return success_body(True, ended.message, **extra)
 
     @app.post(
         "/begin_weight_sync",

@@ -39,11 +39,12 @@ from weightsync.control.protocol import (
     PARALLELISM_CONFIG,
     POST_LOAD_AT_UPDATE_END,
     WEIGHT_SYNC_EVENTS,
+    WEIGHT_SYNC_FENCE,
     WEIGHT_SYNC_FUSED,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
 )
-from weightsync.receiver.events import WriterEvents
+from weightsync.cuda_events import IpcEvents
 from weightsync.server.http import ControlError
 from weightsync.server.limits import GenerationBounds
 from weightsync.server.ranks.commands import (
@@ -57,6 +58,7 @@ from weightsync.server.ranks.commands import (
     EndUpdate,
     FlushCache,
     Generate,
+    ReadFencedBegin,
     SetWeightVersion,
 )
 from weightsync.server.ranks.driver import EngineDriver, EngineStoppedError
@@ -103,6 +105,7 @@ class _Session:
     deadline: float | None = None  # time.monotonic() when the lease expires
     timer: asyncio.TimerHandle | None = None
     versioned: bool = False
+    fenced: bool = False  # begun with a fence: the ranks' begin digests are still to read
 
 
 class StepRefusedError(ControlError):
@@ -128,12 +131,30 @@ class SessionGrant:
         token: the session token its holder sends with the session's calls (leased only).
         lease_s: the lease, in seconds (leased only).
         changed_outside: ``"tp rank r: name"`` of the parameters whose bytes changed since
-            the last session ended (written from outside any session).
+            the last session ended (written from outside any session); a fenced begin's are
+            known at the end (`SessionEnd`).
+        fences: a fenced begin's IPC handles (hex) of the CUDA events each tp rank's begin
+            digest completes at, by tp rank: writes into a rank must follow its event.
     """
 
     message: str
     token: str | None = None
     lease_s: float | None = None
+    changed_outside: tuple[str, ...] = ()
+    fences: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionEnd:
+    """What `ReplicaController.end_weight_update` reports.
+
+    Attributes:
+        message: the reply's message.
+        changed_outside: after a fenced begin, ``"tp rank r: name"`` of the parameters whose
+            bytes had changed outside any session before it (the begin could not say).
+    """
+
+    message: str
     changed_outside: tuple[str, ...] = ()
 
 
@@ -151,6 +172,9 @@ class ReplicaController:
             ``weight_sync_fused``).
         events: opens the CUDA events a fused end may wait for (a replica on a GPU);
             with it and `fused_lifecycle`, ``weight_sync_events`` is advertised.
+        fence: sessions may begin with a fence (``weight_sync_fence``, with
+            `fused_lifecycle`): every rank's parameters are on a GPU and every writer on
+            this host (the CUDA IPC transport), able to wait for the rank's event.
     """
 
     def __init__(
@@ -161,10 +185,13 @@ class ReplicaController:
         weight_version: str,
         bounds: GenerationBounds | None = None,
         fused_lifecycle: bool = True,
-        events: WriterEvents | None = None,
+        events: IpcEvents | None = None,
+        fence: bool = False,
     ) -> None:
         self._driver = driver
         fused = FUSED_CAPABILITIES + ((WEIGHT_SYNC_EVENTS,) if events is not None else ())
+        fused += (WEIGHT_SYNC_FENCE,) if fence else ()
+        self._can_fence = fence
         self.capabilities = CAPABILITIES + (fused if fused_lifecycle else ())
         self._events = events
         self.info = info
@@ -332,17 +359,20 @@ class ReplicaController:
         return "Cache flushed."
 
     async def begin_weight_update(
-        self, selector: str, *, lease_s: float | None = None
+        self, selector: str, *, lease_s: float | None = None, fence: bool = False
     ) -> SessionGrant:
         """Open a weight-update session on every rank; generation stops until it ends.
 
         With `lease_s` the session is a lease held by whoever gets the returned token: its
         other calls must carry the token, and unless renewed within `lease_s` the replica
-        closes it itself (leaving the weights incomplete if anything changed).
+        closes it itself (leaving the weights incomplete if anything changed). With
+        `fence` each rank's begin digest is queued on its GPU, not waited for: the grant
+        carries the events it completes at (every writer waits for its rank's before it
+        writes), and the end says what changed outside a session.
 
         Raises:
-            ControlError: 400 when a session is already open, `selector` is ``draft`` or
-                the lease is out of range.
+            ControlError: 400 when a session is already open, `selector` is ``draft``, the
+                lease is out of range, or `fence` where this replica cannot fence.
         """
         if self._session != "closed":
             raise ControlError(
@@ -351,22 +381,26 @@ class ReplicaController:
                 status_code=400,
             )
         _check_lease(lease_s)
+        if fence and not self._can_fence:
+            raise ControlError(
+                "fence: this replica cannot fence a session (it takes writes from other hosts, "
+                "or its weights are not on a GPU; it does not advertise weight_sync_fence)",
+                status_code=400,
+            )
         self._session = "opening"
         try:
-            checks = await self._run(BeginUpdate(selector=selector), inline=True)
+            checks = await self._run(BeginUpdate(selector=selector, fence=fence), inline=True)
         except BaseException:
             self._session = "closed"
             await self._queue.notify()
             raise
         self._digest_s = max(c.seconds for c in checks)
         changed = _by_rank(checks, "changed")
-        if changed:
-            self._mark_incomplete(
-                f"parameters changed outside a weight-update session ({_names(changed)}): "
-                "bytes were written into the replica without a session"
-            )
+        self._found_changed_outside(changed)
         token = secrets.token_urlsafe(24) if lease_s is not None else None
-        session = self._lease = _Session(selector=selector, token=token, lease_s=lease_s)
+        session = self._lease = _Session(
+            selector=selector, token=token, lease_s=lease_s, fenced=fence
+        )
         self._session = "open"
         if lease_s is not None:
             self._arm(session, lease_s)
@@ -379,9 +413,8 @@ class ReplicaController:
             message=f"Weight update session begun (selector={selector})",
             token=token,
             lease_s=lease_s,
-            changed_outside=tuple(
-                f"tp rank {rank}: {name}" for rank, names in changed.items() for name in names
-            ),
+            changed_outside=_named(changed),
+            fences=tuple(c.fence for c in checks) if fence else (),
         )
 
     async def renew_weight_update(self, token: str | None, lease_s: float) -> float:
@@ -408,7 +441,7 @@ class ReplicaController:
         digests: Mapping[int, Mapping[str, int]] | None = None,
         after_events: Sequence[str] = (),
         landing_timeout_s: float = _LANDING_TIMEOUT_S,
-    ) -> str:
+    ) -> SessionEnd:
         """Verify what arrived, run post-load processing and close the session.
 
         Args:
@@ -421,7 +454,8 @@ class ReplicaController:
             landing_timeout_s: how long to wait for `after_events`.
 
         Returns:
-            The reply's message (with a failed verification the error says what differs).
+            The reply's message (with a failed verification the error says what differs)
+            and, after a fenced begin, what had changed outside a session.
 
         Raises:
             ControlError: 400 when no session is open, for another holder's token, for
@@ -447,7 +481,7 @@ class ReplicaController:
                     status_code=400,
                 )
             expected = tuple(dict(digests[r]) if r in digests else {} for r in range(num_ranks))
-        problem = await self._close(
+        problem, outside = await self._close(
             session,
             expected,
             reason="end_weight_update",
@@ -457,7 +491,7 @@ class ReplicaController:
         if problem is not None:
             raise ControlError(problem, status_code=400)
         self._log_step("weight-update session ended (weight version %s)", self._weight_version)
-        return "Weight update session ended"
+        return SessionEnd(message="Weight update session ended", changed_outside=outside)
 
     async def _await_landing(self, handles: Sequence[str], timeout_s: float) -> None:
         """Wait until the trainers' events are reached, looking at them between the loop's
@@ -537,12 +571,13 @@ class ReplicaController:
         selector: str,
         lease_s: float | None = None,
         budget_s: float | None = None,
+        fence: bool = False,
     ) -> tuple[SessionGrant, tuple[str, ...]]:
         """`pause_generation` (unless `pause_mode` is None), `release_memory_occupation`
-        of the KV cache (when `release_kv_cache`) and `begin_weight_update`, in that order,
-        each with its own semantics: one round trip instead of three. The call stops where it
-        runs past `budget_s` seconds (a pause stops waiting; it has taken effect, as a pause
-        whose caller timed out).
+        of the KV cache (when `release_kv_cache`) and `begin_weight_update` (with `fence`),
+        in that order, each with its own semantics: one round trip instead of three. The
+        call stops where it runs past `budget_s` seconds (a pause stops waiting; it has taken
+        effect, as a pause whose caller timed out).
 
         Returns:
             The session's grant and the routes of the steps that ran.
@@ -560,7 +595,10 @@ class ReplicaController:
                 ("/release_memory_occupation", lambda: self.release_memory_occupation(["kv_cache"]))
             )
         steps.append(
-            ("/begin_weight_update", lambda: self.begin_weight_update(selector, lease_s=lease_s))
+            (
+                "/begin_weight_update",
+                lambda: self.begin_weight_update(selector, lease_s=lease_s, fence=fence),
+            )
         )
         grant = await self._fused("begin_weight_sync", steps, completed, budget_s)
         return grant, tuple(completed)
@@ -576,7 +614,7 @@ class ReplicaController:
         torch_empty_cache: bool = False,
         after_events: Sequence[str] = (),
         budget_s: float | None = None,
-    ) -> tuple[str, tuple[str, ...]]:
+    ) -> tuple[SessionEnd, tuple[str, ...]]:
         """`update_weight_version` (unless `new_version` is None), `end_weight_update`
         (after waiting for `after_events`, within the budget), then, with `resume`,
         `resume_memory_occupation` of the KV cache (when `resume_kv_cache`), `flush_cache`
@@ -585,7 +623,8 @@ class ReplicaController:
         replica stays paused, as when a caller's deadline passed).
 
         Returns:
-            The last step's message and the routes of the steps that ran.
+            The last step's message with what `end_weight_update` reported, and the routes
+            of the steps that ran.
 
         Raises:
             StepRefusedError: a step refused (later ones did not run: a failed verification
@@ -603,17 +642,20 @@ class ReplicaController:
                 )
             )
         landing_timeout_s = budget_s if budget_s is not None else _LANDING_TIMEOUT_S
-        steps.append(
-            (
-                "/end_weight_update",
-                lambda: self.end_weight_update(
+        ended: list[SessionEnd] = []
+
+        async def end() -> str:
+            ended.append(
+                await self.end_weight_update(
                     token=token,
                     digests=digests,
                     after_events=after_events,
                     landing_timeout_s=landing_timeout_s,
-                ),
+                )
             )
-        )
+            return ended[0].message
+
+        steps.append(("/end_weight_update", end))
         if resume:
             if resume_kv_cache:
                 steps.append(
@@ -638,7 +680,9 @@ class ReplicaController:
                     await self._run(SetWeightVersion(version=label), inline=True)
                 except ControlError as exc:
                     logger.warning("labelling the ranks %s failed: %s", label, exc)
-        return message, tuple(completed)
+        return SessionEnd(message=message, changed_outside=ended[0].changed_outside), tuple(
+            completed
+        )
 
     def _holder(self, token: str | None, route: str) -> _Session:
         """The open session, if `token` may act on it."""
@@ -685,9 +729,10 @@ class ReplicaController:
         reason: str,
         after_events: Sequence[str] = (),
         landing_timeout_s: float = _LANDING_TIMEOUT_S,
-    ) -> str | None:
+    ) -> tuple[str | None, tuple[str, ...]]:
         """Close `session` on every rank and decide what the weights now are; returns the
-        problem found (None when the update is complete or nothing changed). With
+        problem found (None when the update is complete or nothing changed) and, after a
+        fenced begin, the parameters it found changed outside a session. With
         `after_events` (the IPC handles of the trainers' events), the ranks end it once the
         events are reached, waiting up to `landing_timeout_s`.
 
@@ -701,6 +746,9 @@ class ReplicaController:
         label, self._label_with_end = self._label_with_end, None
         try:
             if after_events:
+                if session.fenced:
+                    # Done long ago: read while the copies land, not after them.
+                    await self._run(ReadFencedBegin(), inline=True)
                 await self._await_landing(after_events, landing_timeout_s)
             checks = await self._run(EndUpdate(expected=expected, version=label), inline=True)
         except _NotLandedError as exc:
@@ -721,6 +769,9 @@ class ReplicaController:
             self._lease = None
             await self._queue.notify()
         self._digest_s += max(c.seconds for c in checks)
+        outside = _by_rank(checks, "changed_outside")
+        # What a fenced begin would have said first: the verdict on this session follows.
+        self._found_changed_outside(outside)
         changed = _by_rank(checks, "changed")
         problem: str | None = None
         if expected:
@@ -742,7 +793,16 @@ class ReplicaController:
             )
         if problem is not None:
             self._mark_incomplete(problem)
-        return problem
+        return problem, _named(outside)
+
+    def _found_changed_outside(self, changed: Mapping[int, Sequence[str]]) -> None:
+        """Bytes changed outside any session (`changed`, by tp rank): incomplete weights,
+        until a complete update lands."""
+        if changed:
+            self._mark_incomplete(
+                f"parameters changed outside a weight-update session ({_names(changed)}): "
+                "bytes were written into the replica without a session"
+            )
 
     def _complete(self, *, verified: bool) -> None:
         if self._incomplete is not None:
@@ -1011,6 +1071,11 @@ def _check_lease(lease_s: float | None) -> None:
 def _by_rank(checks: Sequence[Any], field: str) -> dict[int, tuple[str, ...]]:
     """``{tp_rank: names}`` of the ranks whose `SessionCheck` lists names in `field`."""
     return {rank: getattr(c, field) for rank, c in enumerate(checks) if getattr(c, field)}
+
+
+def _named(by_rank: Mapping[int, Sequence[str]]) -> tuple[str, ...]:
+    """``"tp rank r: name"`` for every name of `by_rank`."""
+    return tuple(f"tp rank {rank}: {name}" for rank, names in by_rank.items() for name in names)
 
 
 def _names(by_rank: Mapping[int, Sequence[str]]) -> str:

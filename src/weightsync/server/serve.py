@@ -33,7 +33,7 @@ from fastapi import FastAPI
 
 from weightsync.checkpoint import load_config_dict
 from weightsync.control.loops import event_loop_factory
-from weightsync.receiver.events import WriterEvents
+from weightsync.cuda_events import IpcEvents
 from weightsync.server.app import create_main_app
 from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 from weightsync.server.config import ServeConfig
@@ -179,9 +179,11 @@ class _Replica:
                 weight_version=self.config.weight_version,
                 bounds=self.bounds,
                 fused_lifecycle=self.config.fused_lifecycle,
-                events=WriterEvents(torch.device("cuda", self.config.gpu_id(0)))
+                events=IpcEvents(torch.device("cuda", self.config.gpu_id(0)))
                 if self.config.device == "cuda"
                 else None,
+                # Over CUDA IPC every writer is on this host and can wait for a rank's event.
+                fence=self.config.device == "cuda" and self.config.transport == "cuda_ipc",
             )
             controller.start()
             app = create_main_app(

@@ -153,7 +153,11 @@ class BroadcastSync:
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         pushed = False
 
-        async def push(targets: Sequence[TargetRank], epoch: int) -> PushSummary:
+        async def push(
+            targets: Sequence[TargetRank], epoch: int, fences: Mapping[str, str]
+        ) -> PushSummary:
+            # Never fenced: the manager is not asked for fences (the broadcast writes into
+            # the replicas' parameters on their own streams).
             nonlocal pushed
             pushed = True
             order = PushOrder(new_plan=False)

@@ -23,9 +23,17 @@ class Generate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BeginUpdate:
-    """Open a weight-update session on every rank."""
+    """Open a weight-update session on every rank (`fence`: queue each rank's begin digest
+    and answer with the event it completes at, `RolloutAgent.begin_update`)."""
 
     selector: str
+    fence: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadFencedBegin:
+    """Read each rank's fenced begin digest (`RolloutAgent.read_fenced_begin`), while the
+    session's writes still land."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,7 +80,14 @@ class Shutdown:
 
 
 Command = (
-    Generate | BeginUpdate | EndUpdate | SetWeightVersion | CheckWeights | FlushCache | Shutdown
+    Generate
+    | BeginUpdate
+    | ReadFencedBegin
+    | EndUpdate
+    | SetWeightVersion
+    | CheckWeights
+    | FlushCache
+    | Shutdown
 )
 """The reference engine's own commands; server extensions add theirs
 (`weightsync.server.extensions`)."""

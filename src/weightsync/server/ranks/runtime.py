@@ -32,6 +32,7 @@ from weightsync.server.ranks.commands import (
     Generate,
     RankInfo,
     RankReply,
+    ReadFencedBegin,
     SetWeightVersion,
     Shutdown,
 )
@@ -300,13 +301,16 @@ class RankRuntime:
                     seed=command.seed,
                 )
                 return {"output_ids": output_ids, "weight_version": self.agent.weight_version}
-            case BeginUpdate(selector=selector):
-                return self.agent.begin_update(selector)  # type: ignore[arg-type]
+            case BeginUpdate(selector=selector, fence=fence):
+                return self.agent.begin_update(selector, fence=fence)  # type: ignore[arg-type]
             case EndUpdate(expected=expected, version=version):
                 if version is not None:
                     self.agent.set_weight_version(version)
                 mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
                 return self.agent.end_update(mine)
+            case ReadFencedBegin():
+                self.agent.read_fenced_begin()
+                return None
             case SetWeightVersion(version=version):
                 self.agent.set_weight_version(version)
                 return None
