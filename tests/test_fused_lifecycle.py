@@ -55,6 +55,18 @@ def _state(http: httpx.Client) -> dict:
     return http.get("/server_info").json()["state"]
 
 
+def _complete_update(http: httpx.Client, version: str) -> dict:
+    """A fused begin and a labelled end (a complete update): the replica serves again.
+    Returns the begin's reply."""
+    begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
+    assert begun["success"], begun
+    ended = http.post(
+        "/end_weight_sync", json={"new_version": version, "session_token": begun["session_token"]}
+    )
+    assert ended.status_code == 200 and not _state(http)["paused"]
+    return begun
+
+
 def test_fused_calls_run_each_step_and_answer_a_refusal_as_the_step_would(replicas) -> None:
     fused, plain = replicas
     with httpx.Client(base_url=fused.url, headers=AUTH, timeout=60.0) as http:
@@ -180,11 +192,7 @@ def test_a_replica_off_the_gpu_refuses_events_to_wait_for_and_stays_paused(repli
         assert http.post("/continue_generation", json={}).status_code == 400
 
         # A complete update serves again.
-        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
-        ended = http.post(
-            "/end_weight_sync", json={"new_version": "71", "session_token": begun["session_token"]}
-        )
-        assert ended.status_code == 200 and not _state(http)["paused"]
+        _complete_update(http, "71")
 
 
 def test_a_replica_off_the_gpu_refuses_a_fence_and_opens_no_session(replicas) -> None:
@@ -200,18 +208,12 @@ def test_a_replica_off_the_gpu_refuses_a_fence_and_opens_no_session(replicas) ->
         assert "weight_sync_fence" in refused.json()["message"]
         assert refused.json()["completed"] == BEGIN[:2]
         assert _state(http)["weight_update_session"] == "closed"
-        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
-        assert begun["success"] and "fences" not in begun
-        ended = http.post(
-            "/end_weight_sync", json={"new_version": "72", "session_token": begun["session_token"]}
-        )
-        assert ended.status_code == 200 and not _state(http)["paused"]
+        assert "fences" not in _complete_update(http, "72")
 
 
 def test_a_pause_past_the_calls_budget_answers_504_and_has_taken_effect(replicas) -> None:
     # The pause waits for the running request; past the call's budget the begin stops there
     # (the pause stands, as a pause whose caller gave up) and opens no session.
-
     fused, _ = replicas
     with httpx.Client(base_url=fused.url, headers=AUTH, timeout=120.0) as http:
         body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500}}

@@ -42,6 +42,8 @@ access_logger = logging.getLogger("uvicorn.access")
 KEEP_ALIVE_S = 600.0
 # The longest request head taken here; a longer one goes to uvicorn, which refuses it.
 _MAX_HEAD_BYTES = 1 << 16
+# The most of a refused request's body read and dropped; past it the connection closes.
+_MAX_DISCARD_BYTES = 1 << 20
 _HEAD_END = b"\r\n\r\n"
 
 
@@ -56,8 +58,10 @@ class DirectHttpProtocol(asyncio.Protocol):
 
     Requests are answered one at a time, in order; a reply is one write. A connection stays
     open `keep_alive_s` after its last reply, and closes after a reply when the request
-    asked (``Connection: close``, HTTP/1.0), after a refusal read from the head (401, 413:
-    the body is not read), and when the server shuts down.
+    asked (``Connection: close``, HTTP/1.0), when the server shuts down, and after a refusal
+    read from the head (401, 413) whose body is longer than a mebibyte: a refused body is
+    read and dropped, not handled (a client still writing it would otherwise see its
+    connection reset before it read the reply), up to that much.
 
     Args:
         config: uvicorn's config (given by uvicorn, as to any protocol).
@@ -91,6 +95,8 @@ class DirectHttpProtocol(asyncio.Protocol):
         self._client = ""
         self._buffer = bytearray()
         self._head: _Head | None = None  # the head of the request whose body is awaited
+        self._discard = 0  # bytes of a refused request's body still to drop
+        self._close_after_discard = False
         self._busy = False  # a request is being answered
         self._closing = False  # close once the request being answered is
         self._idle: asyncio.TimerHandle | None = None
@@ -144,6 +150,17 @@ class DirectHttpProtocol(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing() or not self._buffer:
             return
+        if self._discard:
+            dropped = min(self._discard, len(self._buffer))
+            del self._buffer[:dropped]
+            self._discard -= dropped
+            if self._discard:
+                return
+            if self._close_after_discard:
+                transport.close()
+                return
+            if not self._buffer:
+                return
         head = self._head
         if head is None:
             end = self._buffer.find(_HEAD_END, 0, _MAX_HEAD_BYTES + len(_HEAD_END))
@@ -159,8 +176,13 @@ class DirectHttpProtocol(asyncio.Protocol):
                 head.path, authorization=head.authorization, content_length=head.content_length
             )
             if refusal is not None:
-                # Its body is not read: the connection cannot carry another request.
-                self._reply(head, refusal, keep_alive=False)
+                size = head.content_length or 0
+                del self._buffer[: head.head_bytes]
+                self._discard = min(size, _MAX_DISCARD_BYTES)
+                self._close_after_discard = size > _MAX_DISCARD_BYTES or not head.keep_alive
+                # Kept open while its body is dropped; closed after it when asked to.
+                self._reply(head, refusal, keep_alive=True)
+                self._next()
                 return
             self._head = head
         if len(self._buffer) < head.size:
