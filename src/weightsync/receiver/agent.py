@@ -122,7 +122,6 @@ class RolloutAgent:
         self._digests = ParameterDigests(self._params)
         self._reference = self._digests.compute()  # what the weights held at the last end
         self._at_begin: dict[str, int] = {}
-        self._fenced = False  # the open session's begin digest is still to be read
         self._changed_outside: tuple[str, ...] = ()  # what a fenced begin found, for its end
         self._registered: list[int] = []
         self._regions = memory_regions(self._params.values())
@@ -244,9 +243,9 @@ class RolloutAgent:
             )
         start = time.perf_counter()
         if fence:
+            # Read by `read_fenced_begin`: the only launch left pending.
             handle = self._digests.launch()
             self._session_selector = selector
-            self._fenced = True
             return SessionCheck(fence=handle, seconds=time.perf_counter() - start)
         self._at_begin = self._digests.compute()
         self._session_selector = selector
@@ -260,8 +259,7 @@ class RolloutAgent:
         waited for it) and keep what it found changed outside a session, for `end_update`.
         Called while the session's writes are still landing, it spares the end that work;
         `end_update` does it otherwise. Nothing without a fenced begin pending."""
-        if self._fenced:
-            self._fenced = False
+        if self._digests.pending:
             self._at_begin = self._digests.collect()
             self._changed_outside = _differing(self._at_begin, self._reference)
 

@@ -59,6 +59,11 @@ class ParameterDigests:
         self._pending = False
 
     @property
+    def pending(self) -> bool:
+        """Whether a `launch` waits to be collected."""
+        return self._pending
+
+    @property
     def on_gpu(self) -> bool:
         """Whether the digests run as GPU work (`launch` returns an event's handle)."""
         return self._device.type == "cuda" and bool(self._names)

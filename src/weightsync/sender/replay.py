@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.cuda_events import wait_reached
 from weightsync.errors import TransferError
 from weightsync.plan.program import PushProgram
 from weightsync.plan.writes import WriteRun
@@ -32,7 +33,6 @@ from weightsync.sender.direct import (
     SourceMemory,
     copy_all,
     device_tensor,
-    wait_event,
 )
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ class GraphPush:
         """
         if self._digests is None or sums is None:
             return {}
-        if not wait_event(self._digested, self._timeout_s):
+        if not wait_reached((self._digested,), self._timeout_s):
             raise TransferError(
                 f"the digests of a replayed push did not finish within {self._timeout_s:g} s "
                 "(the GPU is stuck or far behind)"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.cuda_events import wait_reached
 from weightsync.errors import PartialPushError, TransferError, WeightsRefusedError
 from weightsync.export.base import WeightExport
 from weightsync.plan.direct import DirectSpec
@@ -22,7 +23,6 @@ from weightsync.sender.direct import (
     MappedDirect,
     SourceMemory,
     TransportDirect,
-    wait_event,
     wait_stream,
 )
 from weightsync.sender.executor import ArrivalTable, ProgramRun, arrival_table
@@ -309,7 +309,7 @@ class WeightSender:
             return time.perf_counter()
         event, stats = pending
         t0 = time.perf_counter()
-        if wait_event(event, self.config.timeout_s):
+        if wait_reached((event,), self.config.timeout_s):
             return time.perf_counter()
         waited = time.perf_counter() - t0
         failed = {
@@ -335,7 +335,7 @@ class WeightSender:
         for, and forget them: later work on the stream is ordered after them anyway."""
         pending, self._in_flight = self._in_flight, None
         if pending is not None:
-            wait_event(pending[0], self.config.timeout_s)
+            wait_reached((pending[0],), self.config.timeout_s)
 
     def _push_one(
         self,
@@ -367,7 +367,7 @@ class WeightSender:
         if self._recorded is not None:
             # An earlier part left its copies in flight; this one returns with every write
             # landed, so the push does too.
-            wait_event(self._recorded[0], self.config.timeout_s)
+            wait_reached((self._recorded[0],), self.config.timeout_s)
             self._recorded = None
         ring = self._ring_for(program.staging) if program.steps else None
         writer = self._direct_writer(program, device) if program.direct else None

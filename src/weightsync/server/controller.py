@@ -191,7 +191,6 @@ class ReplicaController:
         self._driver = driver
         fused = FUSED_CAPABILITIES + ((WEIGHT_SYNC_EVENTS,) if events is not None else ())
         fused += (WEIGHT_SYNC_FENCE,) if fence else ()
-        self._can_fence = fence
         self.capabilities = CAPABILITIES + (fused if fused_lifecycle else ())
         self._events = events
         self.info = info
@@ -381,7 +380,7 @@ class ReplicaController:
                 status_code=400,
             )
         _check_lease(lease_s)
-        if fence and not self._can_fence:
+        if fence and WEIGHT_SYNC_FENCE not in self.capabilities:
             raise ControlError(
                 "fence: this replica cannot fence a session (it takes writes from other hosts, "
                 "or its weights are not on a GPU; it does not advertise weight_sync_fence)",
@@ -1037,7 +1036,7 @@ async def _run_steps(
         try:
             if route == "/pause_generation" and deadline is not None:
                 # A deadline on the running task, not a task of its own: no loop turn.
-                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     value = await step()
             else:
                 value = await step()
@@ -1053,12 +1052,6 @@ async def _run_steps(
         completed.append(route)
         took.append(f"{route} {(time.perf_counter() - started) * 1e3:.2f} ms")
     return value
-
-
-def _loop_deadline(deadline: float) -> float:
-    """`deadline` (`time.monotonic`) on the running loop's clock."""
-    loop = asyncio.get_running_loop()
-    return loop.time() + (deadline - time.monotonic())
 
 
 def _check_lease(lease_s: float | None) -> None:

@@ -27,7 +27,6 @@ from weightsync.server.http import (
     BodySizeLimit,
     ControlError,
     InternalErrorGuard,
-    body_too_large_response,
     check_api_key,
     control_error_response,
     internal_error_response,
@@ -92,10 +91,10 @@ class DirectRoutes:
             for route in routes
         }
         self._api_key = api_key
-        self._setting = setting
         self._guarded: ASGIApp = InternalErrorGuard(self._serve)
+        self._limit: BodySizeLimit | None = None
         if max_body_bytes is not None:
-            self._guarded = BodySizeLimit(
+            self._guarded = self._limit = BodySizeLimit(
                 self._guarded, max_body_bytes=max_body_bytes, setting=setting
             )
 
@@ -108,17 +107,10 @@ class DirectRoutes:
     ) -> Response | None:
         """The reply that refuses a request to `path` from its head alone (413 for a
         declared body over the limit, 401 for the API key), or None to read its body."""
-        if (
-            self.max_body_bytes is not None
-            and content_length is not None
-            and content_length > self.max_body_bytes
-        ):
-            return body_too_large_response(
-                f"POST {path}",
-                f"declares {content_length} bytes, over",
-                max_body_bytes=self.max_body_bytes,
-                setting=self._setting,
-            )
+        if self._limit is not None:
+            oversized = self._limit.declared_refusal(f"POST {path}", content_length)
+            if oversized is not None:
+                return oversized
         try:
             check_api_key(authorization, self._api_key)
         except ControlError as exc:
@@ -139,9 +131,9 @@ class DirectRoutes:
         except _UnparsableBodyError:
             # What the framework answers to a body its JSON parser gives up on.
             return JSONResponse({"detail": "There was an error parsing the body"}, 400)
-        except Exception:
+        except Exception as exc:
             logger.exception("internal error in POST %s", path)
-            return internal_error_response(f"POST {path}")
+            return internal_error_response(f"POST {path}", exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer a direct route's request, or pass the request on."""

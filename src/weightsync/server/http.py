@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import secrets
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -114,13 +113,11 @@ def scope_route(scope: Scope) -> str:
     return f"{scope.get('method', '')} {scope.get('path', '')}".strip()
 
 
-def internal_error_response(route: str) -> JSONResponse:
-    """The 500 for an exception no handler answered in `route` (log it first: the reply
+def internal_error_response(route: str, exc: BaseException) -> JSONResponse:
+    """The 500 for `exc`, which no handler of `route` answered (log it first: the reply
     names only its type)."""
-    # Called from an except block only: the type named is the exception being handled.
-    exc_type = sys.exc_info()[0]
-    name = exc_type.__name__ if exc_type is not None else "Exception"
-    return error_response(f"internal error in {route}: {name}; see the server log", 500)
+    message = f"internal error in {route}: {type(exc).__name__}; see the server log"
+    return error_response(message, 500)
 
 
 def body_too_large_response(
@@ -171,12 +168,12 @@ class InternalErrorGuard:
                 logger.debug("%s answered in %.2f ms", scope_route(scope), took)
         except BodyTooLargeError:
             raise  # answered by BodySizeLimit, further out
-        except Exception:
+        except Exception as exc:
             route = scope_route(scope)
             logger.exception("internal error in %s", route)
             if started:
                 return  # the reply is under way; the server closes the connection
-            await internal_error_response(route)(scope, receive, send)
+            await internal_error_response(route, exc)(scope, receive, send)
 
 
 class BodyTooLargeError(WeightSyncError):
@@ -207,9 +204,9 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await self._refuse(scope, receive, send, f"declares {declared} bytes, over")
+        refusal = self.declared_refusal(scope_route(scope), _content_length(scope))
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
         num_bytes = 0
         started = refused = False
@@ -246,6 +243,18 @@ class BodySizeLimit:
             logger.debug(
                 "%s after its oversized body was refused", scope_route(scope), exc_info=True
             )
+
+    def declared_refusal(self, route: str, content_length: int | None) -> JSONResponse | None:
+        """The 413 for a request of `route` whose declared ``Content-Length`` is over the
+        limit, or None."""
+        if content_length is None or content_length <= self.max_body_bytes:
+            return None
+        return body_too_large_response(
+            route,
+            f"declares {content_length} bytes, over",
+            max_body_bytes=self.max_body_bytes,
+            setting=self.setting,
+        )
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
         response = body_too_large_response(
