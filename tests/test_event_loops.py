@@ -51,3 +51,17 @@ def test_uvloop_where_it_is_missing_says_what_to_do(monkeypatch) -> None:
     monkeypatch.setattr(builtins, "__import__", without_uvloop)
     with pytest.raises(ValueError, match="uvloop is not installed"):
         event_loop_factory("uvloop")
+
+
+def test_replies_are_polled_for_by_default_only_with_cpus_to_spare(monkeypatch) -> None:
+    from weightsync.manager import config as control_config
+
+    assert ControlConfig(poll_replies_s=0).reply_poll_s == 0.0
+    assert ControlConfig(poll_replies_s=0.002).reply_poll_s == 0.002
+    monkeypatch.setattr(control_config, "_usable_cpus", lambda: control_config.POLL_MIN_CPUS)
+    assert ControlConfig().reply_poll_s == 0.005
+    monkeypatch.setattr(control_config, "_usable_cpus", lambda: control_config.POLL_MIN_CPUS - 1)
+    assert ControlConfig().reply_poll_s == 0.0
+    for bad in (-1.0, 2.0, "5ms"):
+        with pytest.raises(ValueError, match="poll_replies_s must be between 0 and 1"):
+            ControlConfig(poll_replies_s=bad)  # type: ignore[arg-type]

@@ -134,7 +134,10 @@ def test_the_manager_fuses_where_advertised_and_makes_eight_calls_elsewhere(
     monkeypatch.setattr(AsyncHttpClient, "_call", recorded)
     monkeypatch.setattr(AsyncHttpClient, "_post_quick", recorded_quick)
     config = ws.SyncConfig(
-        control=ws.ControlConfig(api_key=API_KEY, check_weight_update_equal=True),
+        # Polling for the fused calls' replies, whatever this host's CPUs.
+        control=ws.ControlConfig(
+            api_key=API_KEY, check_weight_update_equal=True, poll_replies_s=0.002
+        ),
         sender=ws.SenderConfig(bucket_bytes=1 << 20),
         transport=ws.MooncakeConfig(timeout_s=30.0),
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -170,6 +171,66 @@ def test_a_server_that_is_gone_is_no_reply_for_the_client() -> None:
     with pytest.raises(RemoteReplicaError, match="begin_weight_sync got no reply") as caught:
         _run(through_the_client())
     assert caught.value.status_code is None
+
+
+def test_a_request_may_poll_for_its_reply_and_then_sleeps(url, monkeypatch) -> None:
+    turns = []
+    sleep = asyncio.sleep
+    here = threading.get_ident()  # the server's loop runs in a thread of its own
+
+    async def counted(delay: float, *args: object) -> object:
+        if threading.get_ident() == here:
+            turns.append(delay)
+        return await sleep(delay, *args)
+
+    monkeypatch.setattr(asyncio, "sleep", counted)
+
+    async def main(**poll: object) -> tuple[dict, float]:
+        connection = KeepAliveConnection(url)
+        try:
+            started = time.monotonic()
+            slow = await connection.request("POST", "/slow", b"{}", timeout_s=10, **poll)
+            took = time.monotonic() - started
+            assert slow.json() == {}
+            return await _echo(connection, "after"), took
+        finally:
+            await connection.aclose()
+
+    reply, took = _run(main())
+    assert reply["body"] == "after" and turns == []
+    # Polled for 50 ms (many loop turns without sleeping), then slept until the reply.
+    reply, took = _run(main(poll_s=0.05))
+    assert reply["body"] == "after" and took >= 1.0
+    polled = [d for d in turns if d == 0]
+    assert len(polled) > 10 and len(turns) == len(polled)
+    # Polling from when another future is done: none before it.
+    turns.clear()
+
+    async def after_a_future() -> tuple[int, int]:
+        connection = KeepAliveConnection(url)
+        loop = asyncio.get_running_loop()
+        landed = loop.create_future()
+        loop.call_later(0.5, landed.set_result, None)
+        try:
+            slow = connection.request(
+                "POST", "/slow", b"{}", timeout_s=10, poll_s=0.05, poll_after=landed
+            )
+            task = asyncio.ensure_future(slow)
+            await sleep(0.4)
+            before = len(turns)
+            await task
+            # A reply that comes first ends the wait for the future.
+            never = loop.create_future()
+            fast = await connection.request(
+                "POST", "/echo", b"1", timeout_s=10, poll_s=0.05, poll_after=never
+            )
+            assert fast.json()["body"] == 1
+            return before, len(turns)
+        finally:
+            await connection.aclose()
+
+    before, after = _run(after_a_future())
+    assert before == 0 and after > 10
 
 
 def test_only_plain_http_urls() -> None:

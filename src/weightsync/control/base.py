@@ -145,9 +145,18 @@ class AsyncHttpClient:
             check_reply(response, replica=self._base_url, route=route)
         return response
 
-    async def _post_quick(self, route: str, body: bytes, *, timeout_s: float | None) -> HttpReply:
+    async def _post_quick(
+        self,
+        route: str,
+        body: bytes,
+        *,
+        timeout_s: float | None,
+        poll_s: float = 0.0,
+        poll_after: asyncio.Future[Any] | None = None,
+    ) -> HttpReply:
         """``POST`` `body` (JSON) over the keep-alive connection (aiohttp for an https
-        server) and return the reply, whatever its status.
+        server) and return the reply, whatever its status; `poll_s` and `poll_after` as
+        `KeepAliveConnection.request` takes them (not over aiohttp).
 
         Raises:
             RemoteReplicaError: no reply.
@@ -162,6 +171,8 @@ class AsyncHttpClient:
                 route,
                 body,
                 timeout_s=timeout_s if timeout_s is not None else self._timeout_s,
+                poll_s=poll_s,
+                poll_after=poll_after,
             )
         except OSError as exc:  # TimeoutError and ConnectionError among them
             raise unreachable(exc, replica=self._base_url, route=route) from exc

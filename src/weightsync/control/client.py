@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -249,6 +250,7 @@ class RolloutClient(AsyncHttpClient):
         budget_s: float | None = None,
         fence: bool = False,
         timeout_s: float | None = None,
+        poll_s: float = 0.0,
     ) -> WeightSyncStepResponse:
         """``POST /begin_weight_sync`` (servers with capability ``weight_sync_fused``):
         `pause_generation` (unless `pause_mode` is None), `release_memory_occupation` of the
@@ -256,6 +258,7 @@ class RolloutClient(AsyncHttpClient):
         server stops where it runs past `budget_s` seconds (give `timeout_s` a margin over
         it, to hear why). With `fence` (capability ``weight_sync_fence``) the reply's
         ``fences`` name the CUDA events every writer must wait for before it writes.
+        `poll_s`: poll for the reply for up to this long (`KeepAliveConnection.request`).
 
         Raises:
             LifecycleStepError: a step refused: ``route`` names it, ``completed`` the steps
@@ -270,7 +273,7 @@ class RolloutClient(AsyncHttpClient):
             budget_s=budget_s,
             fence=fence,
         )
-        return await self._fused("/begin_weight_sync", _without_none(body), timeout_s)
+        return await self._fused("/begin_weight_sync", _without_none(body), timeout_s, poll_s)
 
     async def end_weight_sync(
         self,
@@ -283,6 +286,8 @@ class RolloutClient(AsyncHttpClient):
         after_events: list[str] | None = None,
         budget_s: float | None = None,
         timeout_s: float | None = None,
+        poll_s: float = 0.0,
+        poll_after: asyncio.Future[Any] | None = None,
     ) -> WeightSyncStepResponse:
         """``POST /end_weight_sync`` (servers with capability ``weight_sync_fused``):
         `update_weight_version` (unless `new_version` is None), `end_weight_update` with
@@ -290,6 +295,8 @@ class RolloutClient(AsyncHttpClient):
         `resume_kv_cache`), `flush_cache` and `continue_generation`, in one call.
         `after_events` (capability ``weight_sync_events``): IPC handles (hex) of the CUDA
         events the trainers' copies complete at, which the end waits for first.
+        `poll_s`: poll for the reply for up to this long, from when `poll_after` is done
+        (the reply cannot come before the copies land; `KeepAliveConnection.request`).
 
         Raises:
             LifecycleStepError: a step refused: ``route`` names it, ``completed`` the steps
@@ -305,7 +312,9 @@ class RolloutClient(AsyncHttpClient):
             after_events=after_events,
             budget_s=budget_s,
         )
-        return await self._fused("/end_weight_sync", _without_none(body), timeout_s)
+        return await self._fused(
+            "/end_weight_sync", _without_none(body), timeout_s, poll_s, poll_after
+        )
 
     async def get_weight_version(self, *, timeout_s: float | None = None) -> str | None:
         """``GET /get_weight_version``: the label of the weights the replica serves."""
@@ -458,9 +467,16 @@ class RolloutClient(AsyncHttpClient):
         return data
 
     async def _fused(
-        self, route: str, body: bytes, timeout_s: float | None
+        self,
+        route: str,
+        body: bytes,
+        timeout_s: float | None,
+        poll_s: float = 0.0,
+        poll_after: asyncio.Future[Any] | None = None,
     ) -> WeightSyncStepResponse:
-        response = await self._post_quick(route, body, timeout_s=timeout_s)
+        response = await self._post_quick(
+            route, body, timeout_s=timeout_s, poll_s=poll_s, poll_after=poll_after
+        )
         try:
             reply = WeightSyncStepResponse.model_validate_json(response.content)
         except ValueError:  # not JSON, or not this shape: judged below as any reply

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import get_args
 
@@ -10,6 +11,10 @@ from weightsync.control.loops import EventLoopKind, event_loop_factory
 from weightsync.control.models import PauseMode, Selector
 from weightsync.sender.config import SenderConfig
 from weightsync.transport import CudaIpcConfig, MooncakeConfig, TransportConfig
+
+POLL_MIN_CPUS = 4
+"""The fewest CPUs a process may run on for `ControlConfig` to poll for replies by default."""
+_AUTO_POLL_S = 0.005
 
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 SELECTORS: tuple[str, ...] = get_args(Selector)
@@ -49,6 +54,14 @@ class ControlConfig:
         event_loop: the event loop `TrainerSync` runs the lifecycle on
             (`weightsync.control.loops`): ``auto`` (uvloop where installed), ``asyncio`` or
             ``uvloop``.
+        poll_replies_s: how long the manager polls for the reply of a fused lifecycle call
+            (``begin_weight_sync``; ``end_weight_sync`` once the push's copies landed)
+            before it sleeps until the reply comes: its event loop turns without sleeping
+            meanwhile, and the reply is read the moment it arrives rather than when the
+            kernel wakes the thread (on an idle host, tens to hundreds of microseconds
+            later). 0 turns it off; None (the default): 5 ms where this process may run on
+            at least `POLL_MIN_CPUS` CPUs, else off (on fewer, the polling thread takes the
+            CPU the replica needs to answer).
 
     Raises:
         ValueError: an unknown pause mode, selector or event loop (or uvloop where it is not
@@ -67,6 +80,7 @@ class ControlConfig:
     lifecycle_timeout_s: float = 10.0
     lease_s: float = 30.0
     event_loop: EventLoopKind = "auto"
+    poll_replies_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.pause_mode not in PAUSE_MODES:
@@ -79,6 +93,11 @@ class ControlConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"ControlConfig.{name} must be positive, got {value!r}")
+        poll = self.poll_replies_s
+        if poll is not None and not (isinstance(poll, int | float) and 0 <= poll <= 1):
+            raise ValueError(
+                f"ControlConfig.poll_replies_s must be between 0 and 1 second, got {poll!r}"
+            )
         if not isinstance(self.manage_generation, bool):
             raise ValueError(
                 f"ControlConfig.manage_generation must be True or False, got "
@@ -90,6 +109,21 @@ class ControlConfig:
             event_loop_factory(self.event_loop)
         except ValueError as exc:
             raise ValueError(f"ControlConfig.event_loop: {exc}") from None
+
+    @property
+    def reply_poll_s(self) -> float:
+        """`poll_replies_s` as it applies on this host (0: no polling)."""
+        if self.poll_replies_s is not None:
+            return float(self.poll_replies_s)
+        return _AUTO_POLL_S if _usable_cpus() >= POLL_MIN_CPUS else 0.0
+
+
+def _usable_cpus() -> int:
+    """How many CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

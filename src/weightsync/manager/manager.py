@@ -106,6 +106,7 @@ class SyncManager:
     def __init__(self, replicas: Sequence[str] = (), config: ControlConfig | None = None) -> None:
         """Create a manager for `replicas` (base URLs of their main HTTP servers)."""
         self._config = config or ControlConfig()
+        self._poll_s = self._config.reply_poll_s
         self._replicas: list[str] = []
         self._clients: dict[str, RolloutClient] = {}
         self._ranks: dict[str, tuple[TargetRank, ...]] = {}  # metadata, by replica
@@ -561,6 +562,7 @@ class SyncManager:
                     budget_s=timeout,
                     fence=self._fence and self._protocols[url].serves(WEIGHT_SYNC_FENCE),
                     timeout_s=timeout + _REPLY_MARGIN_S,
+                    poll_s=self._poll_s,
                 )
             except LifecycleStepError as exc:
                 if "/release_memory_occupation" in exc.completed:
@@ -852,6 +854,9 @@ class SyncManager:
                     after_events=list(events) if events else None,
                     budget_s=timeout,
                     timeout_s=timeout + _REPLY_MARGIN_S,
+                    poll_s=self._poll_s,
+                    # Sent while the copies run: no reply before they land.
+                    poll_after=summary.landed if events else None,
                 )
             except LifecycleStepError as exc:
                 if "/end_weight_update" not in exc.completed:
