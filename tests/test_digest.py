@@ -156,6 +156,27 @@ def test_a_launched_digest_is_what_the_bytes_held_at_its_launch(device: str) -> 
     assert digests.compute() != before
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_value_tensors_follow_the_names_and_order_puts_other_digests_in_it(device: str) -> None:
+    params = {
+        "z": torch.arange(100, dtype=torch.int32, device=device),
+        "a": torch.ones(7, dtype=torch.bfloat16, device=device),
+    }
+    digests = ParameterDigests(params)
+    assert digests.names == ("z", "a")
+    values = digests.compute_values()
+    assert values.dtype == torch.int64 and values.device.type == "cpu"
+    assert values.tolist() == [digest_of(_raw(params[n])) for n in ("z", "a")]
+    # A tensor of its own: the next digest does not change it.
+    params["a"].view(torch.uint8)[0] += 1
+    assert digests.compute_values()[1] != values[1]
+    as_dict = {"a": int(values[1]), "z": int(values[0])}
+    assert torch.equal(digests.order(as_dict), values)
+    # Missing, or no int64: -1, which no digest equals.
+    assert digests.order({"a": 5}).tolist() == [-1, 5]
+    assert digests.order({"z": 1 << 70, "a": -(1 << 70)}).tolist() == [-1, -1]
+
+
 def test_the_sender_sums_of_spans_match_the_reference() -> None:
     from weightsync.plan.program import SampleSpan
 

@@ -121,6 +121,50 @@ def test_update_session_and_version(transports):
         assert agent.weight_version == "3"
 
 
+def test_an_end_checks_the_trainers_digests_given_or_prepared(transports):
+    receiver, _ = transports
+    params = _params()
+    with RolloutAgent(params=params, parallelism=PARALLELISM, transport=receiver) as agent:
+        written = {"a.weight": torch.full((4, 8), 2.0), "c.weight": torch.full((3, 5), -1.0)}
+
+        def session(expected, *, prepare: bool):
+            agent.begin_update("target")
+            for name, value in written.items():
+                params[name].copy_(value)
+            if prepare:
+                agent.prepare_end(expected)
+                return agent.end_update(prepared=True)
+            return agent.end_update(expected)
+
+        session(None, prepare=False)
+        truth = agent.digests()  # what every session below writes
+        for prepare in (False, True):
+            check = session(truth, prepare=prepare)
+            assert check.verified and check.mismatched == () and check.changed == ()
+            wrong = {**truth, "b.weight": truth["b.weight"] + 1}
+            del wrong["d.weight"]  # a parameter with no digest does not verify either
+            check = session(wrong, prepare=prepare)
+            assert not check.verified
+            assert check.mismatched == ("b.weight", "d.weight")
+        written = {"a.weight": torch.full((4, 8), 3.0)}
+        # Without digests the end says what the session changed.
+        check = session(None, prepare=True)
+        assert not check.verified and check.changed == ("a.weight",)
+        agent.begin_update("target")
+        with pytest.raises(RuntimeError, match="without prepare_end"):
+            agent.end_update(prepared=True)
+        assert agent.session_open
+        agent.prepare_end(truth)
+        # Given digests win over prepared ones; the next session prepares again.
+        assert agent.end_update(agent.digests()).verified
+        agent.begin_update("target")
+        with pytest.raises(RuntimeError, match="without prepare_end"):
+            agent.end_update(prepared=True)
+        agent.end_update()
+        with pytest.raises(UpdateSessionError, match="no weight-update session"):
+            agent.prepare_end(truth)
+
+
 def test_checker_snapshot_reset_compare():
     params = _params()
     originals = {n: t.clone() for n, t in params.items()}

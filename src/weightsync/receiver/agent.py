@@ -32,7 +32,8 @@ class SessionCheck:
     Attributes:
         changed: parameters whose bytes differ from what they held at the last reference
             point: at begin, the end of the last session (bytes written from outside any
-            session); at end, the begin of this one (what the session wrote).
+            session); at an end without expected digests, the begin of this one (what the
+            session wrote).
         mismatched: at end, with expected digests, the parameters whose digest differs from
             the expected one or that had none expected.
         verified: at end, expected digests were given and every parameter matched.
@@ -62,7 +63,8 @@ class RolloutAgent:
        memory saver): trainers write into those addresses.
     2. `publish` to the replica's bootstrap server (or serve `transfer_engine_info` yourself).
     3. Per update: `begin_update`, (trainers write the bytes), `set_weight_version`,
-       `end_update` (with the digests the trainers computed, to verify what arrived). The
+       `end_update` (with the digests the trainers computed, to verify what arrived; handed
+       over with `prepare_end` while the bytes still land, where the caller can). The
        engine must not run forward passes between begin and end. Both calls say which
        parameters changed since the last reference point (`SessionCheck`), so the engine
        knows without trusting anyone whether a session wrote anything and whether bytes
@@ -120,9 +122,12 @@ class RolloutAgent:
         self._session_selector: str | None = None
         self._checker = WeightsChecker(self._params)
         self._digests = ParameterDigests(self._params)
-        self._reference = self._digests.compute()  # what the weights held at the last end
-        self._at_begin: dict[str, int] = {}
+        # Digests as value tensors in the order of self._digests.names.
+        self._reference = self._digests.compute_values()  # what the last end found
+        self._at_begin = self._reference
         self._changed_outside: tuple[str, ...] = ()  # what a fenced begin found, for its end
+        self._prepared: torch.Tensor | None = None  # `prepare_end`'s expected digests
+        self._end_prepared = False  # `prepare_end` ran in the open session
         self._registered: list[int] = []
         self._regions = memory_regions(self._params.values())
         try:
@@ -247,10 +252,10 @@ class RolloutAgent:
             handle = self._digests.launch()
             self._session_selector = selector
             return SessionCheck(fence=handle, seconds=time.perf_counter() - start)
-        self._at_begin = self._digests.compute()
+        self._at_begin = self._digests.compute_values()
         self._session_selector = selector
         return SessionCheck(
-            changed=_differing(self._at_begin, self._reference),
+            changed=self._differing(self._at_begin, self._reference),
             seconds=time.perf_counter() - start,
         )
 
@@ -260,20 +265,13 @@ class RolloutAgent:
         Called while the session's writes are still landing, it spares the end that work;
         `end_update` does it otherwise. Nothing without a fenced begin pending."""
         if self._digests.pending:
-            self._at_begin = self._digests.collect()
-            self._changed_outside = _differing(self._at_begin, self._reference)
+            self._at_begin = self._digests.collect_values()
+            self._changed_outside = self._differing(self._at_begin, self._reference)
 
-    def end_update(self, expected: Mapping[str, int] | None = None) -> SessionCheck:
-        """Verify what arrived, run the engine's post-load processing and close the session.
-
-        Args:
-            expected: ``{param_name: digest}`` of what the trainers wrote (summed over the
-                trainer ranks), or None when they sent none.
-
-        Returns:
-            Which parameters the session changed and, with `expected`, which do not hold
-            what the trainers wrote (every parameter must have a digest: a sync writes all);
-            after a fenced begin, which had changed outside a session before it.
+    def prepare_end(self, expected: Mapping[str, int] | None) -> None:
+        """Do what `end_update` can do before the session's bytes are all in, while they
+        land: `read_fenced_begin`, and put `expected` (as `end_update` takes it) in the
+        order this rank's digests come in, for ``end_update(prepared=True)``.
 
         Raises:
             UpdateSessionError: no session is open.
@@ -283,24 +281,61 @@ class RolloutAgent:
                 f"no weight-update session is open on tp rank {self._parallelism.tp_rank}; "
                 "call begin_weight_update first"
             )
+        self.read_fenced_begin()
+        self._prepared = None if expected is None else self._digests.order(expected)
+        self._end_prepared = True
+
+    def end_update(
+        self, expected: Mapping[str, int] | None = None, *, prepared: bool = False
+    ) -> SessionCheck:
+        """Verify what arrived, run the engine's post-load processing and close the session.
+
+        Args:
+            expected: ``{param_name: digest}`` of what the trainers wrote (summed over the
+                trainer ranks), or None when they sent none.
+            prepared: take `prepare_end`'s expected digests instead of `expected`.
+
+        Returns:
+            Without `expected`, which parameters the session changed; with it, which do not
+            hold what the trainers wrote (every parameter must have a digest: a sync writes
+            all), the verdict that decides (`changed` is then left empty: it is judged
+            while generation waits, and nothing reads it); after a fenced begin, which had
+            changed outside a session before it.
+
+        Raises:
+            UpdateSessionError: no session is open.
+            RuntimeError: `prepared` without a `prepare_end` in this session.
+        """
+        if self._session_selector is None:
+            raise UpdateSessionError(
+                f"no weight-update session is open on tp rank {self._parallelism.tp_rank}; "
+                "call begin_weight_update first"
+            )
+        if prepared and not self._end_prepared:
+            raise RuntimeError("end_update(prepared=True) without prepare_end")
         try:
             start = time.perf_counter()
+            if prepared:
+                wanted = self._prepared
+            else:
+                wanted = None if expected is None else self._digests.order(expected)
+            self._prepared, self._end_prepared = None, False
             self.read_fenced_begin()
             changed_outside, self._changed_outside = self._changed_outside, ()
             # Before post-load processing, which may rewrite parameters in place.
-            now = self._digests.compute()
+            now = self._digests.compute_values()
             seconds = time.perf_counter() - start
             mismatched: tuple[str, ...] = ()
-            if expected is not None and expected != now:  # equal dicts: one C-level compare
-                mismatched = tuple(
-                    name for name, value in now.items() if expected.get(name) != value
-                )
-            changed = _differing(now, self._at_begin)
+            changed: tuple[str, ...] = ()
+            if wanted is None:
+                changed = self._differing(now, self._at_begin)
+            else:
+                mismatched = self._differing(now, wanted)
             if self._on_update_end is not None:
                 self._on_update_end()
             if self._post_load_writes:
                 start = time.perf_counter()
-                now = self._digests.compute()
+                now = self._digests.compute_values()
                 seconds += time.perf_counter() - start
             self._reference = now
         finally:
@@ -308,10 +343,17 @@ class RolloutAgent:
         return SessionCheck(
             changed=changed,
             mismatched=mismatched,
-            verified=expected is not None and not mismatched,
+            verified=wanted is not None and not mismatched,
             seconds=seconds,
             changed_outside=changed_outside,
         )
+
+    def _differing(self, now: torch.Tensor, before: torch.Tensor) -> tuple[str, ...]:
+        """The parameters whose digests differ between two value tensors."""
+        if torch.equal(now, before):  # the common case, in one call
+            return ()
+        names = self._digests.names
+        return tuple(names[i] for i in (now != before).nonzero().flatten().tolist())
 
     def digests(self) -> dict[str, int]:
         """``{param_name: digest}`` of what every parameter holds now."""
@@ -340,7 +382,7 @@ class RolloutAgent:
         )
         if action == "reset_tensors" and self._session_selector is None:
             # A change the engine made itself, not one from outside a session.
-            self._reference = self._digests.compute()
+            self._reference = self._digests.compute_values()
         return result
 
     def close(self) -> None:
@@ -353,12 +395,6 @@ class RolloutAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _differing(now: Mapping[str, int], before: Mapping[str, int]) -> tuple[str, ...]:
-    if now == before:  # the common case, in one C-level compare
-        return ()
-    return tuple(name for name, value in now.items() if before.get(name) != value)
 
 
 def memory_regions(tensors: Collection[torch.Tensor]) -> list[tuple[int, int]]:

@@ -25,13 +25,16 @@ class ParameterDigests:
     graph is queued and an interprocess event recorded after it (its IPC handle returned,
     so that a writer on this host can wait for it), and `collect` reads the sums later.
     One launch is pending at a time: `launch` and `compute` collect a pending one first.
+    `compute_values` and `collect_values` give the digests as one int64 tensor in the
+    order of `names`, which `order` puts other digests in: a session compares them with
+    one call, while generation waits, instead of building and comparing dicts.
 
     Args:
         params: the rank's parameters by name (each contiguous, none empty).
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
-        self._names = list(params)
+        self._names = tuple(params)
         groups: dict[int, list[int]] = {}
         tensors = list(params.values())
         for index, tensor in enumerate(tensors):
@@ -55,8 +58,13 @@ class ParameterDigests:
         self._host = torch.zeros(0, dtype=torch.int64)
         self._done: torch.cuda.Event | None = None  # recorded after each replay
         self._done_handle = ""
-        self._launched: dict[str, int] | None = None  # computed by a launch on the CPU
+        self._launched: torch.Tensor | None = None  # computed by a launch on the CPU
         self._pending = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parameters' names, in the order of the value tensors."""
+        return self._names
 
     @property
     def pending(self) -> bool:
@@ -73,6 +81,25 @@ class ParameterDigests:
         self.launch()
         return self.collect()
 
+    def compute_values(self) -> torch.Tensor:
+        """The digests of what every parameter holds now, in the order of `names` (an int64
+        host tensor of their own; one device sync)."""
+        self.launch()
+        return self.collect_values()
+
+    def order(self, digests: Mapping[str, int]) -> torch.Tensor:
+        """`digests` (``{param_name: digest}``, from elsewhere) as an int64 host tensor in
+        the order of `names`, to compare with `compute_values`: -1, which no digest is,
+        where a parameter has none, or one no int64 holds."""
+        values = [digests.get(name, -1) for name in self._names]
+        try:
+            return torch.tensor(values, dtype=torch.int64)
+        except (OverflowError, RuntimeError, TypeError, ValueError):
+            return torch.tensor(
+                [v if type(v) is int and 0 <= v < 1 << 63 else -1 for v in values],
+                dtype=torch.int64,
+            )
+
     def launch(self) -> str | None:
         """Start the digests of what every parameter holds now, on the current stream.
 
@@ -84,7 +111,7 @@ class ParameterDigests:
             self.collect()
         self._pending = True
         if not self.on_gpu:
-            self._launched = dict(zip(self._names, self._sums().tolist(), strict=True))
+            self._launched = self._sums()
             return None
         graph = self._graph or self._capture()
         graph.replay()
@@ -98,16 +125,25 @@ class ParameterDigests:
         Raises:
             RuntimeError: nothing was launched since the last collect.
         """
+        return dict(zip(self._names, self.collect_values().tolist(), strict=True))
+
+    def collect_values(self) -> torch.Tensor:
+        """`collect`'s digests in the order of `names` (an int64 host tensor of their own).
+
+        Raises:
+            RuntimeError: nothing was launched since the last collect.
+        """
         if not self._pending:
             raise RuntimeError("ParameterDigests.collect without a launch")
         self._pending = False
         if not self.on_gpu:
             launched, self._launched = self._launched, None
-            assert launched is not None
+            assert launched is not None  # set by every launch on the CPU
             return launched
-        assert self._done is not None
+        assert self._done is not None  # made by `_capture`
         self._done.synchronize()
-        return dict(zip(self._names, self._host.tolist(), strict=True))
+        # The graph writes the next digests into the same pinned buffer.
+        return self._host.clone()
 
     def _sums(self) -> torch.Tensor:
         sums = self._base.clone()

@@ -58,7 +58,7 @@ from weightsync.server.ranks.commands import (
     EndUpdate,
     FlushCache,
     Generate,
-    ReadFencedBegin,
+    PrepareEnd,
     SetWeightVersion,
 )
 from weightsync.server.ranks.driver import EngineDriver, EngineStoppedError
@@ -105,7 +105,6 @@ class _Session:
     deadline: float | None = None  # time.monotonic() when the lease expires
     timer: asyncio.TimerHandle | None = None
     versioned: bool = False
-    fenced: bool = False  # begun with a fence: the ranks' begin digests are still to read
 
 
 class StepRefusedError(ControlError):
@@ -397,9 +396,7 @@ class ReplicaController:
         changed = _by_rank(checks, "changed")
         self._found_changed_outside(changed)
         token = secrets.token_urlsafe(24) if lease_s is not None else None
-        session = self._lease = _Session(
-            selector=selector, token=token, lease_s=lease_s, fenced=fence
-        )
+        session = self._lease = _Session(selector=selector, token=token, lease_s=lease_s)
         self._session = "open"
         if lease_s is not None:
             self._arm(session, lease_s)
@@ -745,11 +742,14 @@ class ReplicaController:
         label, self._label_with_end = self._label_with_end, None
         try:
             if after_events:
-                if session.fenced:
-                    # Done long ago: read while the copies land, not after them.
-                    await self._run(ReadFencedBegin(), inline=True)
+                # While the copies land: a fenced begin's digest (done long ago) is read
+                # and the trainers' digests are put in each rank's order, not after them.
+                await self._run(PrepareEnd(expected=expected), inline=True)
                 await self._await_landing(after_events, landing_timeout_s)
-            checks = await self._run(EndUpdate(expected=expected, version=label), inline=True)
+                end = EndUpdate(version=label, prepared=True)
+            else:
+                end = EndUpdate(expected=expected, version=label)
+            checks = await self._run(end, inline=True)
         except _NotLandedError as exc:
             why = f"{exc}; nothing was verified, and bytes may still be on their way"
             self._mark_incomplete(why)

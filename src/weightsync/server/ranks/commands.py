@@ -31,9 +31,17 @@ class BeginUpdate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReadFencedBegin:
-    """Read each rank's fenced begin digest (`RolloutAgent.read_fenced_begin`), while the
-    session's writes still land."""
+class PrepareEnd:
+    """While the session's writes still land, do on every rank what its end can do before
+    (`RolloutAgent.prepare_end`): read a fenced begin's digest, and put the trainers'
+    digests in the rank's order.
+
+    Attributes:
+        expected: per tp rank, ``{param_name: digest}`` of what the trainers wrote, or None
+            (and an empty tuple) when they sent none.
+    """
+
+    expected: tuple[dict[str, int] | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,10 +53,13 @@ class EndUpdate:
             (and an empty tuple) when they sent none.
         version: the weight version to label the weights with first (a fused
             ``end_weight_sync`` labels them in the same round trip), or None.
+        prepared: the ranks take the digests a `PrepareEnd` of this session gave them
+            instead of `expected`.
     """
 
     expected: tuple[dict[str, int] | None, ...] = ()
     version: str | None = None
+    prepared: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +93,7 @@ class Shutdown:
 Command = (
     Generate
     | BeginUpdate
-    | ReadFencedBegin
+    | PrepareEnd
     | EndUpdate
     | SetWeightVersion
     | CheckWeights

@@ -30,9 +30,9 @@ from weightsync.server.ranks.commands import (
     EndUpdate,
     FlushCache,
     Generate,
+    PrepareEnd,
     RankInfo,
     RankReply,
-    ReadFencedBegin,
     SetWeightVersion,
     Shutdown,
 )
@@ -303,13 +303,14 @@ class RankRuntime:
                 return {"output_ids": output_ids, "weight_version": self.agent.weight_version}
             case BeginUpdate(selector=selector, fence=fence):
                 return self.agent.begin_update(selector, fence=fence)  # type: ignore[arg-type]
-            case EndUpdate(expected=expected, version=version):
+            case EndUpdate(expected=expected, version=version, prepared=prepared):
                 if version is not None:
                     self.agent.set_weight_version(version)
                 mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
-                return self.agent.end_update(mine)
-            case ReadFencedBegin():
-                self.agent.read_fenced_begin()
+                return self.agent.end_update(mine, prepared=prepared)
+            case PrepareEnd(expected=expected):
+                mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
+                self.agent.prepare_end(mine)
                 return None
             case SetWeightVersion(version=version):
                 self.agent.set_weight_version(version)
