@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -165,13 +167,13 @@ def test_value_tensors_follow_the_names_and_order_puts_other_digests_in_it(devic
     digests = ParameterDigests(params)
     assert digests.names == ("z", "a")
     values = digests.compute_values()
-    assert values.dtype == torch.int64 and values.device.type == "cpu"
+    assert values.dtype == np.int64
     assert values.tolist() == [digest_of(_raw(params[n])) for n in ("z", "a")]
-    # A tensor of its own: the next digest does not change it.
+    # An array of its own: the next digest does not change it.
     params["a"].view(torch.uint8)[0] += 1
     assert digests.compute_values()[1] != values[1]
     as_dict = {"a": int(values[1]), "z": int(values[0])}
-    assert torch.equal(digests.order(as_dict), values)
+    assert np.array_equal(digests.order(as_dict), values)
     # Missing, or no int64: -1, which no digest equals.
     assert digests.order({"a": 5}).tolist() == [-1, 5]
     assert digests.order({"z": 1 << 70, "a": -(1 << 70)}).tolist() == [-1, -1]
@@ -208,3 +210,60 @@ def test_the_sender_sums_of_spans_match_the_reference() -> None:
     total = int(((ring_tensor[offsets].to(torch.int64) + 1) * weights).sum())
     assert set(slots.tolist()) == {0}
     assert total == digest_of(payload)
+
+
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=GPU)])
+def test_a_gate_holds_its_stream_until_the_host_opens_it(_) -> None:
+    from weightsync.cuda_events import StreamGate, wait_reached
+
+    device = torch.device("cuda", 0)
+    assert StreamGate.supported(device)
+    gate = StreamGate(device)
+    stream = torch.cuda.Stream(device)
+    target = torch.zeros(1 << 20, device=device)
+    for value in (1.0, 2.0):  # closed again after it was opened
+        gate.close(stream)
+        assert not gate.is_open
+        with torch.cuda.stream(stream):
+            target.fill_(value)
+        done = torch.cuda.Event()
+        done.record(stream)
+        time.sleep(0.05)
+        assert not done.query() and int(target[0].item()) == value - 1
+        gate.open()
+        assert gate.is_open and wait_reached([done], 10.0)
+        assert torch.all(target == value)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=GPU)])
+def test_a_gated_digest_reads_the_bytes_of_when_the_gate_opens(_) -> None:
+    from weightsync.cuda_events import StreamGate
+
+    device = torch.device("cuda", 0)
+    params = {"a": torch.arange(4096, dtype=torch.int32, device=device)}
+    digests = ParameterDigests(params)
+    before = digests.compute()
+    gate = StreamGate(device)
+    digests.launch(gate)
+    # Written after the launch, before the gate opens: the digest sees the new bytes.
+    params["a"].view(torch.uint8)[0] += 1
+    # This stream alone: a device-wide sync would wait for the held one, for ever.
+    torch.cuda.current_stream(device).synchronize()
+    gate.open()
+    after = digests.collect()
+    assert after != before and after == {"a": digest_of(_raw(params["a"]))}
+    # Never opened by its holder: collect opens it, and does not wait for ever.
+    digests.launch(gate)
+    assert digests.collect() == after and gate.is_open
+
+
+def test_without_a_gpu_no_gate_is_made() -> None:
+    from weightsync.cuda_events import StreamGate
+
+    assert not StreamGate.supported(torch.device("cpu"))

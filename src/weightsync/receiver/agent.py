@@ -8,10 +8,12 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
+import numpy as np
 import torch
 
 from weightsync.control.bootstrap_client import BootstrapClient
 from weightsync.control.models import Selector
+from weightsync.cuda_events import StreamGate
 from weightsync.errors import WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.checker import CheckResult, WeightsChecker
@@ -122,12 +124,18 @@ class RolloutAgent:
         self._session_selector: str | None = None
         self._checker = WeightsChecker(self._params)
         self._digests = ParameterDigests(self._params)
-        # Digests as value tensors in the order of self._digests.names.
+        # Digests as int64 arrays in the order of self._digests.names.
         self._reference = self._digests.compute_values()  # what the last end found
         self._at_begin = self._reference
         self._changed_outside: tuple[str, ...] = ()  # what a fenced begin found, for its end
-        self._prepared: torch.Tensor | None = None  # `prepare_end`'s expected digests
+        self._prepared: np.ndarray | None = None  # `prepare_end`'s expected digests
         self._end_prepared = False  # `prepare_end` ran in the open session
+        self._begin_pending = False  # a fenced begin's digest is still to read
+        self._end_pending = False  # `prepare_end` queued the end's digest
+        device = next(iter(self._params.values())).device
+        self._gate = (
+            StreamGate(device) if device.type == "cuda" and StreamGate.supported(device) else None
+        )
         self._registered: list[int] = []
         self._regions = memory_regions(self._params.values())
         try:
@@ -248,8 +256,9 @@ class RolloutAgent:
             )
         start = time.perf_counter()
         if fence:
-            # Read by `read_fenced_begin`: the only launch left pending.
+            # Read by `read_fenced_begin`.
             handle = self._digests.launch()
+            self._begin_pending = True
             self._session_selector = selector
             return SessionCheck(fence=handle, seconds=time.perf_counter() - start)
         self._at_begin = self._digests.compute_values()
@@ -264,14 +273,29 @@ class RolloutAgent:
         waited for it) and keep what it found changed outside a session, for `end_update`.
         Called while the session's writes are still landing, it spares the end that work;
         `end_update` does it otherwise. Nothing without a fenced begin pending."""
-        if self._digests.pending:
+        if self._begin_pending:
+            self._begin_pending = False
             self._at_begin = self._digests.collect_values()
             self._changed_outside = self._differing(self._at_begin, self._reference)
 
-    def prepare_end(self, expected: Mapping[str, int] | None) -> None:
+    @property
+    def can_gate(self) -> bool:
+        """Whether `prepare_end` can queue the end's digest behind a gate (the parameters are
+        on a GPU whose driver holds a stream on host memory, `StreamGate`)."""
+        return self._gate is not None
+
+    def prepare_end(
+        self, expected: Mapping[str, int] | None, *, gated: bool = False
+    ) -> StreamGate | None:
         """Do what `end_update` can do before the session's bytes are all in, while they
         land: `read_fenced_begin`, and put `expected` (as `end_update` takes it) in the
-        order this rank's digests come in, for ``end_update(prepared=True)``.
+        order this rank's digests come in, for ``end_update(prepared=True)``. With `gated`,
+        where the rank `can_gate`, the end's digest is queued now, behind a gate that the
+        caller opens the moment the bytes are in (or it gave up on them): it then runs
+        without a launch's delay. Opened or not, `end_update` reads it (opening it first).
+
+        Returns:
+            The gate to open, or None (not `gated`, or the rank cannot gate).
 
         Raises:
             UpdateSessionError: no session is open.
@@ -284,6 +308,11 @@ class RolloutAgent:
         self.read_fenced_begin()
         self._prepared = None if expected is None else self._digests.order(expected)
         self._end_prepared = True
+        gate = self._gate if gated else None
+        if gate is not None:
+            self._digests.launch(gate)
+            self._end_pending = True
+        return gate
 
     def end_update(
         self, expected: Mapping[str, int] | None = None, *, prepared: bool = False
@@ -323,7 +352,10 @@ class RolloutAgent:
             self.read_fenced_begin()
             changed_outside, self._changed_outside = self._changed_outside, ()
             # Before post-load processing, which may rewrite parameters in place.
-            now = self._digests.compute_values()
+            if self._end_pending and self._digests.pending:
+                now = self._digests.collect_values()  # queued by prepare_end
+            else:
+                now = self._digests.compute_values()
             seconds = time.perf_counter() - start
             mismatched: tuple[str, ...] = ()
             changed: tuple[str, ...] = ()
@@ -340,6 +372,7 @@ class RolloutAgent:
             self._reference = now
         finally:
             self._session_selector = None
+            self._end_pending = False
         return SessionCheck(
             changed=changed,
             mismatched=mismatched,
@@ -348,12 +381,12 @@ class RolloutAgent:
             changed_outside=changed_outside,
         )
 
-    def _differing(self, now: torch.Tensor, before: torch.Tensor) -> tuple[str, ...]:
-        """The parameters whose digests differ between two value tensors."""
-        if torch.equal(now, before):  # the common case, in one call
+    def _differing(self, now: np.ndarray, before: np.ndarray) -> tuple[str, ...]:
+        """The parameters whose digests differ between two value arrays."""
+        if now.tobytes() == before.tobytes():  # the common case, in a microsecond
             return ()
         names = self._digests.names
-        return tuple(names[i] for i in (now != before).nonzero().flatten().tolist())
+        return tuple(names[i] for i in np.flatnonzero(now != before).tolist())
 
     def digests(self) -> dict[str, int]:
         """``{param_name: digest}`` of what every parameter holds now."""
@@ -386,7 +419,10 @@ class RolloutAgent:
         return result
 
     def close(self) -> None:
-        """Unregister every region this agent registered (idempotent)."""
+        """Unregister every region this agent registered (idempotent); a digest still held
+        behind the gate is let run."""
+        if self._gate is not None:
+            self._gate.open()
         while self._registered:
             self._transport.unregister(self._registered.pop())
 

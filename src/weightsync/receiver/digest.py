@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
+from weightsync.cuda_events import StreamGate
 from weightsync.layout.digest import WEIGHT_MODULUS, WEIGHT_MULTIPLIER, sample_stride
 from weightsync.torch_dtypes import storage_bytes
 
@@ -25,9 +27,12 @@ class ParameterDigests:
     graph is queued and an interprocess event recorded after it (its IPC handle returned,
     so that a writer on this host can wait for it), and `collect` reads the sums later.
     One launch is pending at a time: `launch` and `compute` collect a pending one first.
-    `compute_values` and `collect_values` give the digests as one int64 tensor in the
-    order of `names`, which `order` puts other digests in: a session compares them with
-    one call, while generation waits, instead of building and comparing dicts.
+    A launch may be held behind a `StreamGate` (on a stream of its own): queued before the
+    bytes it reads are all in, and run the moment its holder opens the gate.
+    `compute_values` and `collect_values` give the digests as one int64 array in the
+    order of `names`, which `order` puts other digests in: a session compares them as
+    bytes, in a microsecond, while generation waits, instead of building and comparing
+    dicts (or calling into torch, ten times that).
 
     Args:
         params: the rank's parameters by name (each contiguous, none empty).
@@ -56,10 +61,13 @@ class ParameterDigests:
         self._base = base.to(self._device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._host = torch.zeros(0, dtype=torch.int64)
+        self._host_values = self._host.numpy()  # the same memory
         self._done: torch.cuda.Event | None = None  # recorded after each replay
         self._done_handle = ""
         self._launched: torch.Tensor | None = None  # computed by a launch on the CPU
         self._pending = False
+        self._gate: StreamGate | None = None  # the gate the pending launch is held behind
+        self._gated_stream: torch.cuda.Stream | None = None  # where gated launches run
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -81,27 +89,29 @@ class ParameterDigests:
         self.launch()
         return self.collect()
 
-    def compute_values(self) -> torch.Tensor:
+    def compute_values(self) -> np.ndarray:
         """The digests of what every parameter holds now, in the order of `names` (an int64
-        host tensor of their own; one device sync)."""
+        array of their own; one device sync)."""
         self.launch()
         return self.collect_values()
 
-    def order(self, digests: Mapping[str, int]) -> torch.Tensor:
-        """`digests` (``{param_name: digest}``, from elsewhere) as an int64 host tensor in
-        the order of `names`, to compare with `compute_values`: -1, which no digest is,
-        where a parameter has none, or one no int64 holds."""
+    def order(self, digests: Mapping[str, int]) -> np.ndarray:
+        """`digests` (``{param_name: digest}``, from elsewhere) as an int64 array in the
+        order of `names`, to compare with `compute_values`: -1, which no digest is, where a
+        parameter has none, or one no int64 holds."""
         values = [digests.get(name, -1) for name in self._names]
         try:
-            return torch.tensor(values, dtype=torch.int64)
-        except (OverflowError, RuntimeError, TypeError, ValueError):
-            return torch.tensor(
+            return np.array(values, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            return np.array(
                 [v if type(v) is int and 0 <= v < 1 << 63 else -1 for v in values],
-                dtype=torch.int64,
+                dtype=np.int64,
             )
 
-    def launch(self) -> str | None:
-        """Start the digests of what every parameter holds now, on the current stream.
+    def launch(self, gate: StreamGate | None = None) -> str | None:
+        """Start the digests of what every parameter holds now, on the current stream; with
+        `gate` (on a GPU), on a stream of their own behind it: they read the parameters once
+        the gate is opened (`collect` opens it if nobody did).
 
         Returns:
             On a GPU, the IPC handle (hex) of the interprocess event they complete at;
@@ -114,9 +124,19 @@ class ParameterDigests:
             self._launched = self._sums()
             return None
         graph = self._graph or self._capture()
-        graph.replay()
         assert self._done is not None  # made by `_capture`
-        self._done.record(torch.cuda.current_stream(self._device))
+        stream = torch.cuda.current_stream(self._device)
+        if gate is None:
+            graph.replay()
+        else:
+            held = self._gated_stream or torch.cuda.Stream(self._device)
+            self._gated_stream = held
+            held.wait_stream(stream)
+            gate.close(held)
+            self._gate, stream = gate, held
+            with torch.cuda.stream(held):
+                graph.replay()
+        self._done.record(stream)
         return self._done_handle
 
     def collect(self) -> dict[str, int]:
@@ -127,8 +147,8 @@ class ParameterDigests:
         """
         return dict(zip(self._names, self.collect_values().tolist(), strict=True))
 
-    def collect_values(self) -> torch.Tensor:
-        """`collect`'s digests in the order of `names` (an int64 host tensor of their own).
+    def collect_values(self) -> np.ndarray:
+        """`collect`'s digests in the order of `names` (an int64 array of their own).
 
         Raises:
             RuntimeError: nothing was launched since the last collect.
@@ -139,11 +159,14 @@ class ParameterDigests:
         if not self.on_gpu:
             launched, self._launched = self._launched, None
             assert launched is not None  # set by every launch on the CPU
-            return launched
+            return launched.numpy()
         assert self._done is not None  # made by `_capture`
+        if self._gate is not None:
+            self._gate.open()
+            self._gate = None
         self._done.synchronize()
         # The graph writes the next digests into the same pinned buffer.
-        return self._host.clone()
+        return self._host_values.copy()
 
     def _sums(self) -> torch.Tensor:
         sums = self._base.clone()
@@ -161,6 +184,7 @@ class ParameterDigests:
                 self._sums()
             torch.cuda.current_stream().wait_stream(side)
             self._host = torch.empty(len(self._names), dtype=torch.int64, pin_memory=True)
+            self._host_values = self._host.numpy()
             graph = torch.cuda.CUDAGraph()
             # Thread-local: only the capturing thread (the engine's, or a handler's running
             # an inline command) is captured; other threads' work is not affected.

@@ -742,10 +742,16 @@ class ReplicaController:
         label, self._label_with_end = self._label_with_end, None
         try:
             if after_events:
-                # While the copies land: a fenced begin's digest (done long ago) is read
-                # and the trainers' digests are put in each rank's order, not after them.
-                await self._run(PrepareEnd(expected=expected), inline=True)
-                await self._await_landing(after_events, landing_timeout_s)
+                # While the copies land: a fenced begin's digest (done long ago) is read,
+                # the trainers' digests are put in each rank's order and, at tp 1, the
+                # end's digest is queued behind a gate opened the moment they land.
+                prepared = PrepareEnd(expected=expected, gated=self.info.num_ranks == 1)
+                gates = [g for g in await self._run(prepared, inline=True) if g is not None]
+                try:
+                    await self._await_landing(after_events, landing_timeout_s)
+                finally:
+                    for gate in gates:
+                        gate.open()
                 end = EndUpdate(version=label, prepared=True)
             else:
                 end = EndUpdate(expected=expected, version=label)

@@ -39,9 +39,13 @@ class PrepareEnd:
     Attributes:
         expected: per tp rank, ``{param_name: digest}`` of what the trainers wrote, or None
             (and an empty tuple) when they sent none.
+        gated: a rank in the caller's process queues its end digest behind a gate and
+            replies with it, for the caller to open once the writes landed
+            (`RolloutAgent.prepare_end`).
     """
 
     expected: tuple[dict[str, int] | None, ...] = ()
+    gated: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

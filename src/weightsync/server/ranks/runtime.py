@@ -308,10 +308,10 @@ class RankRuntime:
                     self.agent.set_weight_version(version)
                 mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
                 return self.agent.end_update(mine, prepared=prepared)
-            case PrepareEnd(expected=expected):
+            case PrepareEnd(expected=expected, gated=gated):
                 mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
-                self.agent.prepare_end(mine)
-                return None
+                # A gate is opened by a thread of this process: only rank 0's is asked for.
+                return self.agent.prepare_end(mine, gated=gated and self.tp_rank == 0)
             case SetWeightVersion(version=version):
                 self.agent.set_weight_version(version)
                 return None
