@@ -15,7 +15,8 @@ as verl places them by default) the ceiling is a same-GPU copy of the same bytes
 baseline is verl's ``naive`` one, SGLang's ``update_weights_from_tensor`` (``from-tensor``:
 buckets shared as CUDA IPC handles, rebuilt and loaded tensor by tensor); NCCL takes no two
 ranks on one GPU, so the broadcast baseline is not run there. ``phases_s`` gives each
-phase's median (pause, metadata, push, finalize, resume) per method.
+phase's median (pause, metadata, push, finalize, resume) per method, ``lifecycle_s`` the
+median of each sync's control plane (pause + finalize + resume).
 
     python bench/sync.py                       # ~1 GB bf16 dense, 2 replicas x tp2, 2 ranks
     python bench/sync.py --quick               # tiny smoke run
@@ -249,6 +250,7 @@ def summarize(args, config, label, num_bytes, runs, links, warmup, loop=()) -> d
         "runs_s": {m: [r["seconds"] for r in runs[m]] for m in args.methods},
         "phases": {m: runs[m][-1]["phases"] for m in args.methods},
         "phases_s": phases_s,
+        "lifecycle_s": {m: median([_lifecycle(r) for r in runs[m]]) for m in args.methods},
         "warmup_s": {m: warmup[m]["report"]["seconds"] for m in args.methods},
         "loop": _loop_summary(loop, num_bytes, ceiling_gbps, phase_names),
     }
@@ -269,8 +271,16 @@ def _loop_summary(loop, num_bytes, ceiling_gbps, phase_names) -> dict[str, Any] 
             num_bytes / push / 1e9 / ceiling_gbps if ceiling_gbps else None
         ),
         "phases_s": {p: median([r["phases"][p] for r in loop]) for p in phase_names},
+        "lifecycle_s": median([_lifecycle(r) for r in loop]),
         "replayed": all(s.get("replayed") for r in loop for s in r["sources"].values()),
     }
+
+
+def _lifecycle(report: dict[str, Any]) -> float:
+    """A sync's control plane: what of it is not moving bytes or fetching metadata (pause to
+    the push, the push's landing to resume)."""
+    phases = report["phases"]
+    return phases["pause"] + phases["finalize"] + phases["resume"]
 
 
 def print_result(result: dict[str, Any]) -> None:
@@ -278,11 +288,11 @@ def print_result(result: dict[str, Any]) -> None:
     num_bytes = result["bytes"]
     rows = []
     for method in result["methods"]:
-        phases = result["phases"][method]
-        lifecycle = phases["pause"] + phases["finalize"] + phases["resume"]
+        push = result["phases_s"][method]["push"]
+        lifecycle = result["lifecycle_s"][method]
         row = [method, f"{result[f'{method}_s']:.3f}", f"{min(result['runs_s'][method]):.3f}"]
-        row += [f"{num_bytes / result[f'{method}_s'] / 1e9:.3f}", f"{phases['push']:.3f}"]
-        rows.append([*row, f"{lifecycle:.3f}", "yes"])
+        row += [f"{num_bytes / result[f'{method}_s'] / 1e9:.3f}", f"{push:.4f}"]
+        rows.append([*row, f"{lifecycle * 1e3:.2f}", "yes"])
     for key, gbps in result["links_gbps"].items():
         rows.append(
             [LINK_NAMES[key], f"{num_bytes / gbps / 1e9:.3f}", "-", f"{gbps:.3f}"] + ["-"] * 3
@@ -291,7 +301,7 @@ def print_result(result: dict[str, Any]) -> None:
         f"{result['workload']}: {num_bytes / 1e9:.3f} GB per sync, median of {result['repeats']}"
     )
     print_table(
-        title, ["method", "seconds", "min s", "GB/s", "push s", "lifecycle s", "exact"], rows
+        title, ["method", "seconds", "min s", "GB/s", "push s", "lifecycle ms", "exact"], rows
     )
     cached = ", cached program" if result["p2p_cached_program"] else ""
     replayed = ", replayed" if result["p2p_replayed"] else ""
@@ -321,6 +331,7 @@ def print_result(result: dict[str, Any]) -> None:
     print(
         "P2P phases (median ms): "
         + ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in phases.items())
+        + f"; lifecycle (pause + finalize + resume) {result['lifecycle_s']['p2p'] * 1e3:.2f}"
     )
     loop = result["loop"]
     if loop is not None:
@@ -334,7 +345,7 @@ def print_result(result: dict[str, Any]) -> None:
             f"P2P loop, {loop['syncs']} syncs back to back (median): {loop['p2p_s'] * 1e3:.2f} ms"
             f"{at}; phases "
             + ", ".join(f"{n} {s * 1e3:.2f}" for n, s in loop["phases_s"].items())
-            + " ms"
+            + f", lifecycle {loop['lifecycle_s'] * 1e3:.2f} ms"
         )
     verify = result["verification"]
     ab = (

@@ -48,6 +48,10 @@ def test_quick_bench_prints_a_table_and_one_json_line(tmp_path):
     assert result["speedup"] == result["baseline_s"] / result["p2p_s"]
     assert result["speedup_vs_from_tensor"] == result["from-tensor_s"] / result["p2p_s"]
     assert set(result["phases_s"]["p2p"]) == {"pause", "metadata", "push", "finalize", "resume"}
+    # One run: its control plane is its pause, finalize and resume.
+    phases = result["phases_s"]["p2p"]
+    lifecycle = phases["pause"] + phases["finalize"] + phases["resume"]
+    assert abs(result["lifecycle_s"]["p2p"] - lifecycle) < 1e-9
     assert result["p2p_gbps"] == result["bytes"] / result["p2p_s"] / 1e9
     assert result["fraction_of_ceiling"] == result["p2p_gbps"] / result["ceiling_gbps"]
     table = done.stdout

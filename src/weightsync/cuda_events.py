@@ -23,6 +23,7 @@ import functools
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -176,32 +177,26 @@ class StreamGate:
 
 
 class _GateDriver:
-    """The two driver entry points a gate needs."""
+    """The driver entry points a gate needs (each returns a ``CUresult``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.wait_value = lib.cuStreamWaitValue64_v2
-        self.wait_value.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint,
-        ]
-        self.wait_value.restype = ctypes.c_int
-        self.device_pointer = lib.cuMemHostGetDevicePointer_v2
-        self.device_pointer.argtypes = [
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.c_void_p,
-            ctypes.c_uint,
-        ]
-        self.device_pointer.restype = ctypes.c_int
-        self.write_value = lib.cuStreamWriteValue64_v2
-        self.write_value.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint,
-        ]
-        self.write_value.restype = ctypes.c_int
+        # (stream, device address, value, flags)
+        memop = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
+        self.wait_value = _entry(lib, "cuStreamWaitValue64_v2", memop)
+        self.write_value = _entry(lib, "cuStreamWriteValue64_v2", memop)
+        # (device address out, host pointer, flags)
+        self.device_pointer = _entry(
+            lib,
+            "cuMemHostGetDevicePointer_v2",
+            (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint),
+        )
+
+
+def _entry(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...]) -> Any:
+    function = getattr(lib, name)
+    function.argtypes = list(argtypes)
+    function.restype = ctypes.c_int
+    return function
 
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*addr - value) >= 0
