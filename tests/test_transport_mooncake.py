@@ -250,6 +250,38 @@ def test_auto_is_tcp_and_rdma_fails_without_an_rdma_device() -> None:
         MooncakeTransport(MooncakeConfig(protocol="rdma"))
 
 
+def test_a_port_taken_between_mooncakes_pick_and_bind_is_picked_again(monkeypatch) -> None:
+    # Mooncake picks a free port, then binds it; a process binding it in between makes
+    # initialize raise. Injected here for the first tries, on top of the real engine.
+    import mooncake.engine
+
+    real = mooncake.engine.TransferEngine
+    raced = []
+
+    class RacedEngine(real):  # type: ignore[misc, valid-type]
+        def initialize(self, *args: object) -> int:
+            if len(raced) < 2:
+                raced.append(args)
+                raise RuntimeError("bind: Address already in use")
+            return super().initialize(*args)
+
+    monkeypatch.setattr(mooncake.engine, "TransferEngine", RacedEngine)
+    with MooncakeTransport(MooncakeConfig(timeout_s=TIMEOUT_S)) as transport:
+        assert transport.protocol == "tcp" and transport.session_id
+    assert len(raced) == 2
+    raced.clear()
+
+    class AlwaysRaced(real):  # type: ignore[misc, valid-type]
+        def initialize(self, *args: object) -> int:
+            raced.append(args)
+            raise RuntimeError("bind: Address already in use")
+
+    monkeypatch.setattr(mooncake.engine, "TransferEngine", AlwaysRaced)
+    with pytest.raises(WeightSyncError, match="could not bind a port after 5 tries"):
+        MooncakeTransport(MooncakeConfig(timeout_s=TIMEOUT_S))
+    assert len(raced) == 5
+
+
 def test_close_is_idempotent_and_final(source: np.ndarray) -> None:
     transport = MooncakeTransport(MooncakeConfig(timeout_s=TIMEOUT_S))
     transport.register(source.ctypes.data, 4096)

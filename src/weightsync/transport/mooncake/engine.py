@@ -53,6 +53,8 @@ PROTOCOLS = ("tcp", "rdma", "auto")
 _METADATA_SERVER = "P2PHANDSHAKE"
 _RDMA_SYSFS = Path("/sys/class/infiniband")
 _ENV_LOCK = threading.Lock()
+# Engines made before one binds its port (see `_initialize`).
+_BIND_ATTEMPTS = 5
 _TCP_LISTEN = "0A"
 _warned_listeners = False
 
@@ -164,11 +166,28 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
                 else:
                     os.environ.pop(name, None)
             with _captured_stderr(native):
-                engine = TransferEngine()
-                before = _own_listeners()
-                return_code = engine.initialize(
-                    config.hostname, _METADATA_SERVER, protocol, config.device_name
-                )
+                for attempt in range(_BIND_ATTEMPTS):
+                    engine = TransferEngine()
+                    before = _own_listeners()
+                    try:
+                        return_code = engine.initialize(
+                            config.hostname, _METADATA_SERVER, protocol, config.device_name
+                        )
+                    except RuntimeError as exc:
+                        # Mooncake picks a free port, then binds it: another process may
+                        # bind it in between. Another engine picks another port.
+                        if "Address already in use" not in str(exc):
+                            raise
+                        if attempt == _BIND_ATTEMPTS - 1:
+                            raise WeightSyncError(
+                                f"Mooncake TransferEngine could not bind a port after "
+                                f"{_BIND_ATTEMPTS} tries ({exc}): widen its range "
+                                "(MC_MIN_RPC_PORT, MC_MAX_RPC_PORT) or start fewer engines "
+                                "on this host at once"
+                            ) from exc
+                        _LOG.debug("Mooncake's port was taken (%s); trying another", exc)
+                        continue
+                    break
                 opened = sorted(_own_listeners() - before)
         finally:
             for name, value in saved.items():
