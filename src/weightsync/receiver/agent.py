@@ -131,11 +131,8 @@ class RolloutAgent:
         self._prepared: np.ndarray | None = None  # `prepare_end`'s expected digests
         self._end_prepared = False  # `prepare_end` ran in the open session
         self._begin_pending = False  # a fenced begin's digest is still to read
-        self._end_pending = False  # `prepare_end` queued the end's digest
         device = next(iter(self._params.values())).device
-        self._gate = (
-            StreamGate(device) if device.type == "cuda" and StreamGate.supported(device) else None
-        )
+        self._gate = StreamGate(device) if StreamGate.supported(device) else None
         self._registered: list[int] = []
         self._regions = memory_regions(self._params.values())
         try:
@@ -278,21 +275,16 @@ class RolloutAgent:
             self._at_begin = self._digests.collect_values()
             self._changed_outside = self._differing(self._at_begin, self._reference)
 
-    @property
-    def can_gate(self) -> bool:
-        """Whether `prepare_end` can queue the end's digest behind a gate (the parameters are
-        on a GPU whose driver holds a stream on host memory, `StreamGate`)."""
-        return self._gate is not None
-
     def prepare_end(
         self, expected: Mapping[str, int] | None, *, gated: bool = False
     ) -> StreamGate | None:
         """Do what `end_update` can do before the session's bytes are all in, while they
         land: `read_fenced_begin`, and put `expected` (as `end_update` takes it) in the
         order this rank's digests come in, for ``end_update(prepared=True)``. With `gated`,
-        where the rank `can_gate`, the end's digest is queued now, behind a gate that the
-        caller opens the moment the bytes are in (or it gave up on them): it then runs
-        without a launch's delay. Opened or not, `end_update` reads it (opening it first).
+        where the parameters are on a GPU whose driver can hold a stream on host memory
+        (`StreamGate`), the end's digest is queued now, behind a gate that the caller opens
+        the moment the bytes are in (or it gave up on them): it then runs without a
+        launch's delay. Opened or not, `end_update` reads it (opening it first).
 
         Returns:
             The gate to open, or None (not `gated`, or the rank cannot gate).
@@ -311,7 +303,6 @@ class RolloutAgent:
         gate = self._gate if gated else None
         if gate is not None:
             self._digests.launch(gate)
-            self._end_pending = True
         return gate
 
     def end_update(
@@ -352,8 +343,8 @@ class RolloutAgent:
             self.read_fenced_begin()
             changed_outside, self._changed_outside = self._changed_outside, ()
             # Before post-load processing, which may rewrite parameters in place.
-            if self._end_pending and self._digests.pending:
-                now = self._digests.collect_values()  # queued by prepare_end
+            if self._digests.pending:  # once the begin's is read, only prepare_end's
+                now = self._digests.collect_values()
             else:
                 now = self._digests.compute_values()
             seconds = time.perf_counter() - start
@@ -372,7 +363,6 @@ class RolloutAgent:
             self._reference = now
         finally:
             self._session_selector = None
-            self._end_pending = False
         return SessionCheck(
             changed=changed,
             mismatched=mismatched,

@@ -743,8 +743,9 @@ class ReplicaController:
         try:
             if after_events:
                 # While the copies land: a fenced begin's digest (done long ago) is read,
-                # the trainers' digests are put in each rank's order and, at tp 1, the
-                # end's digest is queued behind a gate opened the moment they land.
+                # the trainers' digests are put in each rank's order and, at tp 1 (where
+                # rank 0's reply, the gate, stays in this process), the end's digest is
+                # queued behind a gate opened the moment they land.
                 prepared = PrepareEnd(expected=expected, gated=self.info.num_ranks == 1)
                 gates = [g for g in await self._run(prepared, inline=True) if g is not None]
                 try:

@@ -39,9 +39,10 @@ class PrepareEnd:
     Attributes:
         expected: per tp rank, ``{param_name: digest}`` of what the trainers wrote, or None
             (and an empty tuple) when they sent none.
-        gated: a rank in the caller's process queues its end digest behind a gate and
-            replies with it, for the caller to open once the writes landed
-            (`RolloutAgent.prepare_end`).
+        gated: each rank queues its end digest behind a gate and replies with it, for the
+            caller to open once the writes landed (`RolloutAgent.prepare_end`): for a tp=1
+            replica, whose one rank replies in the caller's process (a gate is not sent
+            between processes).
     """
 
     expected: tuple[dict[str, int] | None, ...] = ()

@@ -310,8 +310,7 @@ class RankRuntime:
                 return self.agent.end_update(mine, prepared=prepared)
             case PrepareEnd(expected=expected, gated=gated):
                 mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
-                # A gate is opened by a thread of this process: only rank 0's is asked for.
-                return self.agent.prepare_end(mine, gated=gated and self.tp_rank == 0)
+                return self.agent.prepare_end(mine, gated=gated)
             case SetWeightVersion(version=version):
                 self.agent.set_weight_version(version)
                 return None
