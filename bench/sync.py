@@ -139,6 +139,7 @@ def run_workload(args: argparse.Namespace, config: dict, workdir: Path, label: s
             ipc_streams=args.ipc_streams,
             fused_experts=args.trainer_experts == "fused",
             methods=args.methods,
+            direct=args.direct,
         )
         with SyncTrainers(spec) as trainers:
             log(f"trainer weights generated in {trainers.generate_s:.1f} s; warm-up syncs")
@@ -229,6 +230,8 @@ def summarize(args, config, label, num_bytes, runs, links, warmup, loop=()) -> d
         "p2p_fill_s": slowest["fill_seconds"],
         "p2p_write_s": slowest["write_seconds"],
         "p2p_num_writes": p2p[-1]["num_writes"],
+        "p2p_writes_per_target": _writes_per_target(p2p[-1]),
+        "direct": args.direct,
         "p2p_cached_program": all(r["cached_program"] for r in p2p),
         "p2p_replayed": all(s.get("replayed") for r in p2p for s in r["sources"].values()),
         "p2p_bytes_direct": sum(s.get("bytes_direct", 0) for s in p2p[-1]["sources"].values()),
@@ -254,6 +257,13 @@ def summarize(args, config, label, num_bytes, runs, links, warmup, loop=()) -> d
         "warmup_s": {m: warmup[m]["report"]["seconds"] for m in args.methods},
         "loop": _loop_summary(loop, num_bytes, ceiling_gbps, phase_names),
     }
+
+
+def _writes_per_target(report: dict[str, Any]) -> dict[str, int]:
+    """The most and the fewest write requests one target took from one source rank in a
+    sync (``max``, ``min``), and their sum over all sources and targets (``total``)."""
+    counts = [n for s in report["sources"].values() for n in s["writes_per_target"].values()]
+    return {"max": max(counts, default=0), "min": min(counts, default=0), "total": sum(counts)}
 
 
 def _loop_summary(loop, num_bytes, ceiling_gbps, phase_names) -> dict[str, Any] | None:
@@ -283,6 +293,11 @@ def _lifecycle(report: dict[str, Any]) -> float:
     return phases["pause"] + phases["finalize"] + phases["resume"]
 
 
+def _copies_per_byte(result: dict[str, Any]) -> float:
+    """Copies each byte written took: the writes, plus the copies into the staging ring."""
+    return (result["bytes"] + result["p2p_bytes_staged"]) / result["bytes"]
+
+
 def print_result(result: dict[str, Any]) -> None:
     """The table of one workload."""
     num_bytes = result["bytes"]
@@ -305,11 +320,23 @@ def print_result(result: dict[str, Any]) -> None:
     )
     cached = ", cached program" if result["p2p_cached_program"] else ""
     replayed = ", replayed" if result["p2p_replayed"] else ""
+    per_target = result["p2p_writes_per_target"]
+    print_table(
+        f"P2P writes (direct={result['direct']}; one sync, all source ranks)",
+        ["writes", "per target and rank (max)", "GB direct", "GB staged", "copies per byte"],
+        [
+            [
+                str(result["p2p_num_writes"]),
+                str(per_target["max"]),
+                f"{result['p2p_bytes_direct'] / 1e9:.3f}",
+                f"{result['p2p_bytes_staged'] / 1e9:.3f}",
+                f"{_copies_per_byte(result):.2f}",
+            ]
+        ],
+    )
     print(
         f"P2P, slowest rank (median): fill {result['p2p_fill_s']:.3f} s, writes not hidden "
-        f"{result['p2p_write_s']:.3f} s, {result['p2p_num_writes']} writes{cached}{replayed}; "
-        f"{result['p2p_bytes_direct'] / 1e9:.3f} GB direct, "
-        f"{result['p2p_bytes_staged'] / 1e9:.3f} GB staged"
+        f"{result['p2p_write_s']:.3f} s{cached}{replayed}"
     )
     fraction = result["fraction_of_ceiling"]
     at = (
@@ -383,6 +410,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=int, default=256, help="both methods' bucket")
     p.add_argument("--num-workers", type=int, default=4, help="P2P fill threads per rank")
     p.add_argument("--ipc-streams", type=int, default=1, help="CUDA IPC streams per write")
+    p.add_argument(
+        "--direct",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="P2P's SenderConfig.direct: write from the trainer's tensors by the transport's "
+        "cost of a write (auto), wherever possible (always), or stage every byte (never)",
+    )
     p.add_argument(
         "--loop-syncs",
         type=int,

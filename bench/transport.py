@@ -11,8 +11,11 @@ the same run:
 
 Chunk sweep: one write of ``--total`` bytes cut into contiguous regions of 64 KiB .. 256 MiB.
 Region sweep: 1 .. 10,000 regions of ``total / n`` bytes each, at shuffled destination slots
-twice their size apart. Prints a table per sweep and one JSON line at the end. Timings are
-the median of ``--repeat`` runs.
+twice their size apart. From it, each transport's cost of a write is fitted (least squares
+of ``seconds = n * write_s + total / bytes_per_s``): the figures a
+`weightsync.transport.WriteCost` takes (``MooncakeConfig(write_cost=...)`` for your link).
+Prints a table per sweep and one JSON line at the end. Timings are the median of
+``--repeat`` runs.
 
     python bench/transport.py [--quick] [--gpu] [--gpu-mooncake] [--no-cpu]
 """
@@ -272,6 +275,39 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
+def fit_write_cost(total: int, rates: dict[int, float]) -> dict[str, float]:
+    """``write_s`` and ``bytes_per_s`` fitted to ``seconds = n * write_s + total / bytes_per_s``
+    over ``{number of regions n: GB/s}`` of one transport's region sweep (least squares)."""
+    points = [(n, total / (gbps * 1e9)) for n, gbps in rates.items()]
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    spread = sum((n - mean_n) ** 2 for n, _ in points)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread if spread else 0.0
+    intercept = mean_t - slope * mean_n
+    return {"write_s": max(slope, 0.0), "bytes_per_s": total / intercept if intercept > 0 else 0.0}
+
+
+def _fits(sweep: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The fitted write cost of every transport of a region sweep (not the in-process rows)."""
+    names = {name for row in sweep["regions"].values() for name in row} - {"memcpy", "peer_copy"}
+    return {
+        name: fit_write_cost(
+            sweep["total_bytes"],
+            {n: row[name] for n, row in sweep["regions"].items() if name in row},
+        )
+        for name in sorted(names)
+    }
+
+
+def _print_fits(title: str, fits: dict[str, dict[str, float]]) -> None:
+    print(f"\n{title}")
+    for name, fit in fits.items():
+        print(
+            f"{name:>14}: {fit['write_s'] * 1e6:.1f} us per write, "
+            f"{fit['bytes_per_s'] / 1e9:.2f} GB/s"
+        )
+
+
 def _print_table(title: str, key_name: str, rows: dict[int, dict[str, float]], fmt) -> None:
     columns = sorted({name for row in rows.values() for name in row})
     print(f"\n{title} (GB/s, median)")
@@ -310,12 +346,16 @@ def main() -> None:
             "host memory, one write cut into chunks", "chunk", result["cpu"]["chunks"], _size
         )
         _print_table("host memory, scattered regions", "regions", result["cpu"]["regions"], str)
+        result["cpu"]["write_cost"] = _fits(result["cpu"])
+        _print_fits("host memory, the cost of a write (fitted)", result["cpu"]["write_cost"])
     if args.gpu:
         result["gpu"] = _gpu(args.gpu_total, repeat, args.gpu_mooncake)
         _print_table(
             "GPU0 -> GPU1, one write cut into chunks", "chunk", result["gpu"]["chunks"], _size
         )
         _print_table("GPU0 -> GPU1, scattered regions", "regions", result["gpu"]["regions"], str)
+        result["gpu"]["write_cost"] = _fits(result["gpu"])
+        _print_fits("GPU0 -> GPU1, the cost of a write (fitted)", result["gpu"]["write_cost"])
     print(json.dumps(result, separators=(",", ":")))
 
 

@@ -485,13 +485,13 @@ def _bytes_at(addr: int, data: bytes) -> dict[int, int]:
     st.sampled_from([256, 4096, 1 << 20]),
     st.sampled_from([64, 1024]),
     st.integers(1, 3),
-    st.sampled_from([None, 1, 128, 1 << 30]),
+    st.sampled_from([None, "always", "auto-ipc", "auto-tcp", "never"]),
 )
 def test_a_lowered_program_writes_exactly_the_rank_layouts(
-    preset, parallel, slot_bytes, chunk_bytes, num_slots, min_run_bytes
+    preset, parallel, slot_bytes, chunk_bytes, num_slots, policy
 ) -> None:
-    # min_run_bytes None: everything staged (a float32 trainer); otherwise a bfloat16
-    # trainer whose tensors go direct where their runs are long enough.
+    # policy None: everything staged (a float32 trainer); otherwise a bfloat16 trainer whose
+    # tensors go direct as the policy says (auto: by a pitched or a per-row write cost).
     from weightsync.export import ModelExport
     from weightsync.plan import build_plan, simulate_targets
     from weightsync.plan.direct import DirectSpec
@@ -505,9 +505,16 @@ def test_a_lowered_program_writes_exactly_the_rank_layouts(
     config = preset_config(preset)
     model = random_model(config, seed=3)
     direct = DirectSpec()
-    if min_run_bytes is not None:
+    if policy is not None:
         model = model.to(torch.bfloat16)
-        direct = DirectSpec(devices=("cpu",), min_run_bytes=min_run_bytes)
+        direct = DirectSpec(
+            devices=("cpu",),
+            policy=policy.partition("-")[0],
+            # CUDA IPC's copies cost the host nothing of their own; TCP's writes do.
+            write_s=25e-6 if policy == "auto-tcp" else 0.0,
+            stage_bytes_per_s=5e9,
+            pitched=policy == "auto-ipc",
+        )
     export = ModelExport(model)
     targets = simulate_targets(config, tp=tp, ep=ep, replicas=2, dtype="bfloat16")
     plan = build_plan(
@@ -527,9 +534,9 @@ def test_a_lowered_program_writes_exactly_the_rank_layouts(
     counters = program.counters
     assert counters.bytes_written == plan.num_bytes_written
     assert counters.bytes_staged + counters.bytes_direct == plan.for_source(0).num_bytes_staged
-    if min_run_bytes is None:
+    if policy in (None, "never"):
         assert counters.bytes_direct == 0
-    elif min_run_bytes == 1 or tp == 1:
+    elif policy in ("always", "auto-ipc"):
         # No transposed view: only the padding needs the ring (it has no source memory).
         padding = sum(
             item.num_bytes
@@ -586,7 +593,8 @@ def test_direct_copies_are_long_runs_of_the_tensor_or_nothing() -> None:
 
     tensor = torch.zeros(8, 4096, dtype=torch.bfloat16)
     (geometry,) = _geometry([tensor])
-    spec = DirectSpec(devices=("cpu",), min_run_bytes=4096)
+    # A write costs what a copy of 4 KiB into the ring does (beside the write staging costs).
+    spec = DirectSpec(devices=("cpu",), write_s=1e-6, stage_bytes_per_s=4096e6)
 
     def item(box, dst=0):
         numel = math.prod(hi - lo for lo, hi in box)
@@ -602,7 +610,7 @@ def test_direct_copies_are_long_runs_of_the_tensor_or_nothing() -> None:
     # A row-parallel slice: one run per row, pitched by the tensor's row.
     columns = copy(((0, 8), (2048, 4096)))
     assert columns.runs == tuple((r * 8192 + 4096, r * 4096, 4096) for r in range(8))
-    # Rows shorter than min_run_bytes, a cast, another device, a transposed view: staged.
+    # Rows too short to pay a write each, a cast, another device, a transposed view: staged.
     assert copy(((0, 8), (0, 1024))) is None
     assert copy(((0, 8), (0, 4096)), dtype="float32") is None
     assert copy(((0, 8), (0, 4096)), spec=DirectSpec(devices=("cuda:0",))) is None
@@ -673,7 +681,7 @@ def test_copies_into_mapped_memory_land_what_the_writes_do(preset, monkeypatch) 
         num_slots=2,
         slot_bytes=1 << 20,
         chunk_bytes=1 << 16,
-        direct=DirectSpec(devices=("cpu",), min_run_bytes=2),
+        direct=DirectSpec(devices=("cpu",), policy="always"),
     )
     program = lower_push(plan, export.geometry(), staging)
     assert any(b.rows > 1 for s in program.direct for t in s.writes for b in t.blocks)

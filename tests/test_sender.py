@@ -514,6 +514,10 @@ class _StagingProbe:
     def session_id(self) -> str:
         return self._inner.session_id
 
+    @property
+    def write_cost(self):
+        return self._inner.write_cost
+
     def register(self, addr: int, num_bytes: int) -> None:
         self._inner.register(addr, num_bytes)
         ctypes.memset(addr, 0xFF, num_bytes)
@@ -737,8 +741,8 @@ def test_tensors_in_the_rollout_dtype_go_direct_from_registered_memory(
     plan = _plan_for(sender, export, receiver, group).for_source(0)
     stats = sender.push(plan, export)
     _assert_exact(receiver, group, seed=51)
-    # Rows of a row-parallel slice shorter than 4 KiB are staged (a write each would cost
-    # more than the copy saves); the rest is written from the trainer's tensors.
+    # Over TCP, rows of a row-parallel slice are staged (a write each would cost more than
+    # the copy saves); whole tensors are written from the trainer's tensors.
     assert stats.bytes_direct + stats.bytes_staged == plan.num_bytes_staged
     assert stats.bytes_direct > stats.bytes_staged > 0
     assert stats.bytes_written == plan.num_bytes_written
@@ -746,7 +750,7 @@ def test_tensors_in_the_rollout_dtype_go_direct_from_registered_memory(
 
     # The same push staged: the same bytes land, the digests agree.
     receiver.call(cmd="fill", group=group, value=7.0)
-    staged = WeightSender(_config(direct=False), transport=transport)
+    staged = WeightSender(_config(direct="never"), transport=transport)
     again = staged.push(plan, export)
     _assert_exact(receiver, group, seed=51)
     assert (again.bytes_direct, again.bytes_staged) == (0, plan.num_bytes_staged)
@@ -754,12 +758,13 @@ def test_tensors_in_the_rollout_dtype_go_direct_from_registered_memory(
     if group == "moe":
         # Gate and up halves of a fused expert tensor go out as one run.
         assert stats.num_writes < stats.num_regions
-    # Rows of any length direct: a row-parallel slice goes out as a write per row.
+    # Every piece that can go direct does: a row-parallel slice goes out as a write per row.
     receiver.call(cmd="fill", group=group, value=7.0)
-    rows = WeightSender(_config(direct_min_run_bytes=2), transport=transport)
+    rows = WeightSender(_config(direct="always"), transport=transport)
     every = rows.push(plan, export)
     _assert_exact(receiver, group, seed=51)
     assert every.bytes_direct > stats.bytes_direct and every.digests == stats.digests
+    assert every.num_writes > stats.num_writes
     rows.close()
     staged.close()
     sender.close()

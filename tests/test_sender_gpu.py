@@ -203,14 +203,21 @@ def test_a_replayed_push_may_return_with_its_copies_in_flight(gpu_receiver: Rece
 def test_row_parallel_slices_are_pitched_copies_into_mapped_memory(
     gpu_receiver: Receiver, ipc
 ) -> None:
-    # tp=2: o_proj and down_proj are column slices of the trainer's tensors; with rows of
-    # any length direct, each is one pitched copy into the receiver's parameter.
+    # tp=2: o_proj and down_proj are column slices of the trainer's tensors; over CUDA IPC
+    # each is one pitched copy into the receiver's parameter, so all of them go direct.
     gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
-    sender = WeightSender(_config(direct_min_run_bytes=2), transport=ipc)
+    sender = WeightSender(_config(), transport=ipc)
     export = ModelExport(random_model(TINY, seed=81).to(device="cuda:0", dtype=torch.bfloat16))
     plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
     stats = sender.push(plan, export)
     _assert_exact(gpu_receiver, "tiny", seed=81)
-    assert stats.bytes_direct > 0
+    padding = sum(
+        item.num_bytes
+        for works in plan.work.values()
+        for work in works
+        for item in work.items
+        if item.is_padding
+    )
+    assert stats.bytes_direct > 0 and stats.bytes_staged == padding
     assert stats.digests == gpu_receiver.call(cmd="digests", group="tiny")
     sender.close()

@@ -49,6 +49,7 @@ _LAZY: dict[str, str] = {
     "ModelExport": "weightsync.export.hf",
     "MooncakeConfig": "weightsync.transport",
     "CudaIpcConfig": "weightsync.transport",
+    "WriteCost": "weightsync.transport",
 }
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from weightsync.manager.trainer import TrainerSync
     from weightsync.sender.config import SenderConfig
     from weightsync.sender.stats import PushStats
-    from weightsync.transport import CudaIpcConfig, MooncakeConfig
+    from weightsync.transport import CudaIpcConfig, MooncakeConfig, WriteCost
 
 
 def __getattr__(name: str) -> Any:
@@ -92,5 +93,6 @@ __all__ = [
     "WeightExport",
     "WeightSyncError",
     "WeightsRefusedError",
+    "WriteCost",
     "__version__",
 ]

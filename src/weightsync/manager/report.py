@@ -156,6 +156,7 @@ class SyncReport:
                     "cached_program": stats.cached_program,
                     "bytes_staged": stats.bytes_staged,
                     "bytes_direct": stats.bytes_direct,
+                    "writes_per_target": dict(stats.writes_per_target),
                     "replayed": stats.replayed,
                     "in_flight": stats.in_flight,
                 }

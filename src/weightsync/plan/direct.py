@@ -4,14 +4,25 @@ Part of lowering a source plan into a push program (`weightsync.plan.program`), 
 the transport can read a stream tensor's memory (CUDA IPC within one host, Mooncake once the
 tensor's storage is registered), an item whose elements already have the rollout's dtype
 needs no staging: its box of the tensor is written straight into the rollout parameter, one
-copy per byte instead of two. An item goes direct when
+copy per byte instead of two. An item can go direct when
 
 - it carries data (padding is staged: a transport writes from memory, and zeros have none);
 - its tensor lies on a device the transport reads and has the plan's dtype (a cast needs a
   buffer to land in);
-- its box is a few long contiguous runs of the tensor's storage: one run (a whole tensor, a
-  block of rows), or rows of at least `DirectSpec.min_run_bytes` each (a row-parallel slice,
-  a pitched 2-D copy). A box read element by element (a transposed view) is staged.
+- its box is contiguous runs of the tensor's storage: one run (a whole tensor, a block of
+  rows) or rows a pitch apart (a row-parallel slice). A box read element by element (a
+  transposed view) is staged.
+
+Whether it does is a matter of cost (`DirectSpec.policy`). Both ways put the same bytes on
+the wire; they differ in what is paid before. Staged, the item costs a copy of its bytes into
+the ring, and its destination (a contiguous range of one parameter) one write, or none where
+it continues another item's destination (the ring holds them side by side and they go out
+as one write: an expert's slice of a fused expert parameter after the expert before).
+Direct, it costs a write per run, or one pitched copy where the sender copies into memory
+mapped into its process (CUDA IPC). So over CUDA IPC everything that can go direct does; over
+a network a tensor goes direct where its bytes take longer to copy than a write costs (over
+TCP, whose writes cost tens of microseconds, pieces of a few hundred KiB and more), and a
+row-parallel slice only where its rows are that long each.
 
 A `DirectCopy` is the item as contiguous byte runs of the tensor's storage; a step's runs,
 merged where they are adjacent in the storage and in the parameter, are its writes (for a
@@ -24,29 +35,70 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from weightsync.layout.digest import sample_run
 from weightsync.plan.geometry import TensorGeometry
 from weightsync.plan.items import CopyItem
 
-DEFAULT_MIN_RUN_BYTES = 4096
-"""Rows of a strided box shorter than this are staged: a write request per few hundred bytes
-costs more than the copy into the ring saves."""
+DirectPolicy = Literal["auto", "always", "never"]
+"""How a sender chooses between direct and staged writes: ``"auto"`` by cost (see the
+module), ``"always"`` every item that can go direct, ``"never"`` nothing."""
+DIRECT_POLICIES: tuple[str, ...] = ("auto", "always", "never")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DirectSpec:
-    """Where a program may write from the stream's tensors directly.
+    """Where a program may write from the stream's tensors directly, and what that costs.
+
+    Plain data: the sender fills it from its transport's `WriteCost` and its staging
+    device (`weightsync.sender.staging.direct_spec`), so the same setup lowers the same
+    program on every run.
 
     Attributes:
         devices: the devices whose tensors the transport can write from (``"cpu"``,
             ``"cuda:0"``); empty: everything is staged.
-        min_run_bytes: the shortest contiguous run of a strided box worth a write of its own.
+        policy: how items that can go direct are chosen (`DirectPolicy`).
+        write_s: the transport's fixed cost of one write request, in seconds.
+        stage_bytes_per_s: the rate at which the sender copies bytes into its staging ring.
+        pitched: the sender writes a box of rows a pitch apart as one copy (into memory
+            mapped into its process), not a write per row.
+
+    Raises:
+        ValueError: an unknown policy, a negative cost or a rate that is not positive.
     """
 
     devices: tuple[str, ...] = ()
-    min_run_bytes: int = DEFAULT_MIN_RUN_BYTES
+    policy: DirectPolicy = "auto"
+    write_s: float = 0.0
+    stage_bytes_per_s: float = 1.0
+    pitched: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in DIRECT_POLICIES:
+            raise ValueError(
+                f"DirectSpec.policy must be one of {DIRECT_POLICIES}, got {self.policy!r}"
+            )
+        if not self.write_s >= 0:
+            raise ValueError(f"DirectSpec.write_s must be >= 0, got {self.write_s!r}")
+        if not self.stage_bytes_per_s > 0:
+            raise ValueError(
+                f"DirectSpec.stage_bytes_per_s must be > 0, got {self.stage_bytes_per_s!r}"
+            )
+
+    def writes_of(self, num_runs: int, num_outer_dims: int) -> int:
+        """The writes a direct item of `num_runs` runs costs: one per run, or one where the
+        sender copies rows evenly spaced (a single outer dimension) as a pitched copy."""
+        return 1 if self.pitched and num_outer_dims <= 1 else num_runs
+
+    def pays(self, num_writes: int, num_bytes: int, *, continues: bool = False) -> bool:
+        """Whether an item that costs `num_writes` writes direct (`writes_of`) and moves
+        `num_bytes` goes direct. Staged, it costs a copy of its bytes into the ring and one
+        write, or none where it `continues` another item's destination (see the module)."""
+        if self.policy != "auto":
+            return self.policy == "always"
+        staged_s = num_bytes / self.stage_bytes_per_s + (0.0 if continues else self.write_s)
+        return num_writes * self.write_s <= staged_s
 
 
 class DirectCopy(NamedTuple):
@@ -121,10 +173,17 @@ def direct_copy(
     dtype: str,
     element_size: int,
     spec: DirectSpec,
+    continues: bool = False,
 ) -> DirectCopy | None:
     """`item` of the tensor `tensor` (program index `source`) as a direct copy, or None when
-    it must be staged (see the module)."""
-    if item.hf_name is None or tensor.dtype != dtype or tensor.device not in spec.devices:
+    it is staged (see the module); `continues`: another item of the source's plan ends
+    where this one starts in the same parameter."""
+    if (
+        spec.policy == "never"
+        or item.hf_name is None
+        or tensor.dtype != dtype
+        or tensor.device not in spec.devices
+    ):
         return None
     size = tuple(stop - start for start, stop in item.src_box)
     offset = tensor.storage_offset + sum(
@@ -143,7 +202,8 @@ def direct_copy(
         outer = dims
     run_bytes = run * element_size
     num_runs = math.prod(n for n, _ in outer)
-    if num_runs > 1 and run_bytes < spec.min_run_bytes:
+    num_writes = spec.writes_of(num_runs, len(outer))
+    if not spec.pays(num_writes, num_runs * run_bytes, continues=continues):
         return None
     runs = []
     dst = item.dst_offset_bytes

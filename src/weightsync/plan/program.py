@@ -165,7 +165,8 @@ class PushCounters:
     Attributes:
         bytes_staged: bytes copied into the ring (each layout's bytes once).
         bytes_written: bytes written over all targets (staged and direct).
-        num_writes: write requests over all targets, after coalescing.
+        num_writes: write requests over all targets, after coalescing (a pitched copy into
+            mapped memory counts once).
         num_regions: destination regions over all targets, before coalescing.
         num_buckets: slots filled (one per bucket and layout).
         num_chunks: fill-then-write steps.
@@ -173,6 +174,8 @@ class PushCounters:
         bytes_per_target: bytes written to each target, by session id.
         bytes_direct: bytes written from the stream's tensors unstaged (each layout's once).
         num_direct: direct copies (items written unstaged, each layout's once).
+        writes_per_target: write requests to each target, by session id (a pitched copy
+            into mapped memory counts once, however many rows it has).
     """
 
     bytes_staged: int
@@ -185,6 +188,16 @@ class PushCounters:
     bytes_per_target: Mapping[str, int] = field(default_factory=dict)
     bytes_direct: int = 0
     num_direct: int = 0
+    writes_per_target: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def copies_per_byte(self) -> float:
+        """Copies each written byte took: 1 for a byte written straight from the trainer's
+        tensor, 1 + 1 / (targets of its layout) for a staged one (the ring is filled once
+        and written to every target); 0 for a program that writes nothing."""
+        if not self.bytes_written:
+            return 0.0
+        return (self.bytes_written + self.bytes_staged) / self.bytes_written
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -323,6 +336,13 @@ class _Lowering:
         }
         self.num_buckets = 0
         self.bytes_staged = 0
+        # Where each layout's items end, as (parameter, byte): an item that starts at one
+        # continues another's destination, so staged it shares that item's write.
+        self.ends: dict[int, set[tuple[str, int]]] = {}
+        for works in plan.work.values():
+            for work in works:
+                ends = self.ends.setdefault(work.layout_id, set())
+                ends.update((i.param_name, i.dst_offset_bytes + i.num_bytes) for i in work.items)
 
     def run(self) -> PushProgram:
         works: Mapping[StreamKey, tuple[StageWork, ...]] = self.plan.work
@@ -374,6 +394,7 @@ class _Lowering:
         if not spec.devices:
             return work.items
         tensor = self.tensors[index]
+        ends = self.ends[work.layout_id]
         staged = []
         for item in work.items:
             copy = direct_copy(
@@ -384,6 +405,7 @@ class _Lowering:
                 dtype=self.plan.dtype,
                 element_size=self.element_size,
                 spec=spec,
+                continues=(item.param_name, item.dst_offset_bytes) in ends,
             )
             if copy is None:
                 staged.append(item)
@@ -511,31 +533,38 @@ class _Lowering:
             keys=self.keys,
             tensors=self.tensors,
             steps=steps,
-            counters=count(steps, self.direct),
+            counters=count(steps, self.direct, pitched=self.staging.direct.pitched),
             digests=tuple(self.digests),
             direct=tuple(self.direct),
         )
 
 
-def count(steps: Sequence[ChunkStep], direct: Sequence[DirectStep] = ()) -> PushCounters:
-    """What `steps` stage and write, and what `direct` writes."""
+def count(
+    steps: Sequence[ChunkStep], direct: Sequence[DirectStep] = (), *, pitched: bool = False
+) -> PushCounters:
+    """What `steps` stage and write, and what `direct` writes (as pitched copies where the
+    sender copies into mapped memory, `pitched`, else as its runs)."""
     per_target: Counter[str] = Counter()
-    num_writes = num_regions = 0
+    writes: Counter[str] = Counter()
+    num_regions = 0
     bytes_direct = num_direct = 0
     for direct_step in direct:
         bytes_direct += direct_step.num_bytes
         num_direct += len(direct_step.copies)
     for step in [*steps, *direct]:
         for target_writes in step.writes:
-            num_writes += len(target_writes.writes)
+            session = target_writes.target.session_id
+            requests = target_writes.writes
+            if pitched and isinstance(step, DirectStep):
+                writes[session] += len(target_writes.blocks)
+            else:
+                writes[session] += len(requests)
             num_regions += target_writes.num_regions
-            per_target[target_writes.target.session_id] += sum(
-                w.num_bytes for w in target_writes.writes
-            )
+            per_target[session] += sum(w.num_bytes for w in requests)
     return PushCounters(
         bytes_staged=sum(step.num_bytes for step in steps),
         bytes_written=sum(per_target.values()),
-        num_writes=num_writes,
+        num_writes=sum(writes.values()),
         num_regions=num_regions,
         num_buckets=sum(step.new_bucket for step in steps),
         num_chunks=len(steps),
@@ -543,6 +572,7 @@ def count(steps: Sequence[ChunkStep], direct: Sequence[DirectStep] = ()) -> Push
         bytes_per_target=dict(per_target),
         bytes_direct=bytes_direct,
         num_direct=num_direct,
+        writes_per_target=dict(writes),
     )
 
 

@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from weightsync.plan.direct import DIRECT_POLICIES, DirectPolicy
+
 MIB = 1 << 20
 
 # Slots hold elements of any dtype weightsync moves; a multiple of 64 bytes keeps every slot
@@ -53,20 +55,21 @@ class SenderConfig:
             default it runs only until a push succeeded.
         digest: sum a sample of each parameter's staged bytes (`weightsync.layout.digest`)
             so that the replicas can verify what they received at ``end_weight_update``.
-        direct: write straight from the trainer's tensors where the transport can read
-            them and no cast is needed (`weightsync.plan.direct`): one copy per byte
-            instead of two. The trainer's storages are then registered with the transport
-            (Mooncake) or read by copies into the receivers' mapped memory (CUDA IPC).
-        direct_min_run_bytes: a strided piece of a trainer tensor (a row-parallel slice) is
-            written directly only when its rows are at least this long; shorter rows are
-            staged (a write request per row would cost more than the copy saves).
+        direct: where to write straight from the trainer's tensors (one copy per byte
+            instead of two) rather than stage them, among the pieces the transport can read
+            that need no cast (`weightsync.plan.direct`): ``"auto"`` where that is cheaper
+            by the transport's `WriteCost` (whole tensors always; a row-parallel slice over
+            CUDA IPC, or over Mooncake when its rows are long enough to pay a write each),
+            ``"always"`` every such piece, ``"never"`` none. The trainer's storages read
+            directly are registered with the transport (Mooncake) or read by copies into
+            the receivers' mapped memory (CUDA IPC).
         replay: a push that wrote every byte directly is captured (a CUDA graph into mapped
             memory, or bound write lists) and replayed on later syncs while the export's
             tensors stay where they are (`weightsync.sender.replay`): no per-tensor work.
 
     Raises:
-        ValueError: a non-positive size, count or timeout, an unknown staging kind, or
-            ``pin_memory=True`` without CUDA.
+        ValueError: a non-positive size, count or timeout, an unknown staging kind or
+            direct policy, or ``pin_memory=True`` without CUDA.
     """
 
     bucket_bytes: int = 1024 * MIB
@@ -79,8 +82,7 @@ class SenderConfig:
     chunk_bytes: int | None = None
     check_finite: FiniteCheck = "first"
     digest: bool = True
-    direct: bool = True
-    direct_min_run_bytes: int = 4096
+    direct: DirectPolicy = "auto"
     replay: bool = True
 
     def __post_init__(self) -> None:
@@ -90,7 +92,6 @@ class SenderConfig:
             "num_slots",
             "max_outstanding_per_peer",
             "chunk_bytes",
-            "direct_min_run_bytes",
         )
         for name in names:
             value = getattr(self, name)
@@ -110,6 +111,11 @@ class SenderConfig:
             raise ValueError(
                 f"SenderConfig.check_finite must be one of {FINITE_CHECKS}, "
                 f"got {self.check_finite!r}"
+            )
+        if isinstance(self.direct, bool) or self.direct not in DIRECT_POLICIES:
+            raise ValueError(
+                f"SenderConfig.direct must be one of {DIRECT_POLICIES} (auto: by the "
+                f"transport's cost of a write), got {self.direct!r}"
             )
         if self.staging not in ("auto", "host", "cuda"):
             raise ValueError(

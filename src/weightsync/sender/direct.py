@@ -125,7 +125,7 @@ class SourceMemory:
         except Exception as exc:
             raise WeightSyncError(
                 f"registering {num_bytes} bytes of trainer memory at {base:#x} with the "
-                f"transport failed: {exc}; SenderConfig(direct=False) stages every byte "
+                f"transport failed: {exc}; SenderConfig(direct='never') stages every byte "
                 "instead"
             ) from exc
         self._regions[base] = num_bytes

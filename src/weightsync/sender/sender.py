@@ -29,7 +29,7 @@ from weightsync.sender.executor import ArrivalTable, ProgramRun, arrival_table
 from weightsync.sender.fences import PushFences
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
-from weightsync.sender.staging import StagingRing, transport_reads
+from weightsync.sender.staging import StagingRing, direct_spec, transport_reads
 from weightsync.sender.stats import PushStats
 from weightsync.sender.writes import WriteQueue
 from weightsync.torch_dtypes import torch_dtype
@@ -565,10 +565,8 @@ class WeightSender:
                 break
         staging_device = self._staging_device(device)
         direct = DirectSpec()
-        if self.config.direct and transport_reads(self._transport, staging_device):
-            direct = DirectSpec(
-                devices=(str(staging_device),), min_run_bytes=self.config.direct_min_run_bytes
-            )
+        if transport_reads(self._transport, staging_device):
+            direct = direct_spec(self.config.direct, self._transport.write_cost, staging_device)
         return StagingSpec(
             device=str(staging_device),
             num_slots=self.config.num_slots,
@@ -663,6 +661,7 @@ def _stats(
         bytes_direct=counters.bytes_direct,
         replayed=replayed,
         in_flight=in_flight,
+        writes_per_target=dict(counters.writes_per_target),
     )
 
 
@@ -676,10 +675,13 @@ def _begin_push(export: WeightExport) -> None:
 def _merge_stats(parts: list[PushStats]) -> PushStats:
     """The stats of a push of several parts (one per dtype) as one push's."""
     per_target: dict[str, int] = {}
+    writes: dict[str, int] = {}
     digests: dict[str, dict[str, int]] = {}
     for stats in parts:
         for session, num_bytes in stats.bytes_per_target.items():
             per_target[session] = per_target.get(session, 0) + num_bytes
+        for session, num_writes in stats.writes_per_target.items():
+            writes[session] = writes.get(session, 0) + num_writes
         for session, values in stats.digests.items():
             digests.setdefault(session, {}).update(values)
     return PushStats(
@@ -702,6 +704,7 @@ def _merge_stats(parts: list[PushStats]) -> PushStats:
         bytes_direct=sum(s.bytes_direct for s in parts),
         replayed=all(s.replayed for s in parts),
         in_flight=any(s.in_flight for s in parts),
+        writes_per_target=writes,
     )
 
 
@@ -761,6 +764,7 @@ def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
         return
     needed = set(program.keys)
     batch: list[tuple[str, torch.Tensor]] = []
+    batch_bytes = 0
     with torch.no_grad():
         for name, tensor in export:
             if name not in needed or not tensor.is_floating_point() or tensor.numel() == 0:
@@ -770,15 +774,19 @@ def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
                 # in its input makes the block's float32 scale non-finite, checked here too.
                 continue
             batch.append((name, tensor))
-            if len(batch) == _FINITE_BATCH:
+            batch_bytes += tensor.numel() * tensor.element_size()
+            if len(batch) == _FINITE_BATCH or batch_bytes >= _FINITE_BATCH_BYTES:
                 _check_finite(batch, dtype, program)
-                batch = []
+                batch, batch_bytes = [], 0
         if batch:
             _check_finite(batch, dtype, program)
 
 
-# Tensors per multi-tensor reduction of the finite check.
+# Tensors per multi-tensor reduction of the finite check, and the bytes after which a batch
+# is checked sooner: an export that reads its tensors into memory of their own (a checkpoint
+# on disk, `weightsync.export.CheckpointExport`) holds a batch in host memory.
 _FINITE_BATCH = 1024
+_FINITE_BATCH_BYTES = 1 << 30
 
 
 def _check_finite(

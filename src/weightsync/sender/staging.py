@@ -7,9 +7,38 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync.errors import WeightSyncError
+from weightsync.plan.direct import DirectPolicy, DirectSpec
 
 if TYPE_CHECKING:
-    from weightsync.transport import Transport
+    from weightsync.transport import Transport, WriteCost
+
+HOST_STAGE_BYTES_PER_S = 10e9
+"""The rate a sender copies into a host staging ring, as direct writes are weighed against it:
+a memcpy, 10-20 GB/s for one thread of a 2-core x86 host (``bench/transport.py``)."""
+GPU_STAGE_BYTES_PER_S = 1e12
+"""The rate a sender copies into a GPU staging ring (a same-GPU copy: ~2,000 GB/s on an
+H200, ~1,300 on an H100), with room for strided reads."""
+
+
+def direct_spec(policy: DirectPolicy, cost: WriteCost, device: torch.device) -> DirectSpec:
+    """What the lowering needs to choose direct writes for a ring on `device`: the policy,
+    the transport's `cost` of a write, and the rate of a copy into the ring.
+
+    Args:
+        policy: `SenderConfig.direct`.
+        cost: the transport's `Transport.write_cost`.
+        device: the staging device, which is also the device direct writes read from.
+    """
+    if policy == "never":
+        return DirectSpec()
+    stage = GPU_STAGE_BYTES_PER_S if device.type == "cuda" else HOST_STAGE_BYTES_PER_S
+    return DirectSpec(
+        devices=(str(device),),
+        policy=policy,
+        write_s=cost.write_s,
+        stage_bytes_per_s=stage,
+        pitched=cost.pitched,
+    )
 
 
 def transport_reads(transport: Transport, device: torch.device) -> bool:

@@ -42,6 +42,8 @@ class PushStats:
             graph pushed with ``wait=False``): `WeightSender.wait_landed` waits for them.
         events: with `in_flight`, the IPC handles (hex) of the CUDA events the copies
             complete at: a receiver on the same host waits for them before it verifies.
+        writes_per_target: write requests to each target, by session id (a pitched copy
+            into mapped memory counts once).
     """
 
     rank: int
@@ -65,6 +67,7 @@ class PushStats:
     replayed: bool = False
     in_flight: bool = False
     events: tuple[str, ...] = ()
+    writes_per_target: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def write_gbps(self) -> float:

@@ -17,6 +17,7 @@ import torch
 from weightsync.engine.synthetic import synthetic_hf_tensors, synthetic_tensor
 from weightsync.export import ModelExport
 from weightsync.layout import hf_tensor_shapes
+from weightsync.torch_dtypes import torch_dtype
 
 __all__ = ["synthetic_export", "synthetic_hf_tensors", "synthetic_tensor"]
 
@@ -33,6 +34,7 @@ def synthetic_export(
     pp_rank: int = 0,
     pp_size: int = 1,
     fused_experts: bool = False,
+    values: bool = True,
 ) -> ModelExport:
     """Pipeline stage `pp_rank` of `pp_size` of the model's synthetic weights, as an export.
 
@@ -50,6 +52,9 @@ def synthetic_export(
             of ``(E, H, I)``), as transformers' MoE models and Megatron's grouped experts do;
             the stream yields the same per-expert HF tensors, as views of them. Default: one
             tensor per expert and projection.
+        values: fill the tensors with the seeded values; False leaves their memory
+            uninitialised (nothing is generated), for what depends only on how the stream
+            lies in memory: its geometry, and the push programs lowered for it.
 
     Raises:
         ValueError: bad stage numbers or config.
@@ -59,7 +64,13 @@ def synthetic_export(
     names = [
         name for name, _ in ModelExport(meta, pp_rank=pp_rank, pp_size=pp_size, hf_config=hf_config)
     ]
-    tensors = synthetic_hf_tensors(hf_config, seed=seed, dtype=dtype, device=device, names=names)
+    if values:
+        tensors = synthetic_hf_tensors(
+            hf_config, seed=seed, dtype=dtype, device=device, names=names
+        )
+    else:
+        empty = torch_dtype(dtype)
+        tensors = iter([(n, torch.empty(shapes[n], dtype=empty, device=device)) for n in names])
     state = _fused(tensors, shapes) if fused_experts else dict(tensors)
     return ModelExport(state, pp_rank=pp_rank, pp_size=pp_size, hf_config=hf_config)
 

@@ -55,6 +55,7 @@ class TrainerSpec:
         fused_experts: the trainer holds each layer's experts as two fused tensors
             (`weightsync.testing.synthetic.synthetic_export`).
         methods: the syncs to build (`METHODS`).
+        direct: the P2P senders' `SenderConfig.direct`.
     """
 
     config: dict[str, Any]
@@ -73,6 +74,7 @@ class TrainerSpec:
     ipc_streams: int = 1
     fused_experts: bool = True
     methods: tuple[str, ...] = field(default=METHODS)
+    direct: str = "auto"
 
 
 def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) -> None:
@@ -119,6 +121,7 @@ def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
                 num_workers=spec.num_workers,
                 timeout_s=spec.timeout_s,
                 digest=method == "p2p",
+                direct=spec.direct,
             ),
             control=ws.ControlConfig(api_key=spec.api_key, http_timeout_s=600.0),
             transport=transport,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.errors import TransferError
-from weightsync.transport.base import Transport
+from weightsync.transport.base import Transport, WriteCost
 
 
 class FailsAfter:
@@ -30,6 +30,11 @@ class FailsAfter:
     def session_id(self) -> str:
         """The wrapped transport's session id."""
         return self.inner.session_id
+
+    @property
+    def write_cost(self) -> WriteCost:
+        """The wrapped transport's cost of a write."""
+        return self.inner.write_cost
 
     def register(self, addr: int, num_bytes: int) -> None:
         """Register with the wrapped transport."""

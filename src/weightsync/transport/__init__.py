@@ -10,7 +10,7 @@ parameter names.
 
 from __future__ import annotations
 
-from weightsync.transport.base import Transport, WriteHandle, register_tensor
+from weightsync.transport.base import Transport, WriteCost, WriteHandle, register_tensor
 from weightsync.transport.cuda_ipc import CudaIpcConfig, CudaIpcTransport
 from weightsync.transport.mooncake import MooncakeConfig, MooncakeTransport
 
@@ -61,6 +61,7 @@ __all__ = [
     "MooncakeTransport",
     "Transport",
     "TransportConfig",
+    "WriteCost",
     "WriteHandle",
     "open_transport",
     "register_tensor",

@@ -13,6 +13,10 @@ A transport knows bytes and addresses only; it never sees parameter names. Call 
    returns.
 3. Both sides call `close()` when done; it unregisters everything and may be called again.
 
+Every transport states what a write costs it (`write_cost`, a `WriteCost`): the sender's
+lowering weighs it to choose, per piece of a tensor, between a write straight from the
+trainer's memory and a copy into its staging ring (`weightsync.plan.direct`).
+
 Optional capabilities, looked up with ``getattr``: ``supports_device(device) -> bool`` (the
 transport can read registered memory on that device, not only host memory) and
 ``stream_ordered = True`` (`write` takes ``after_stream=``, a raw CUDA stream whose queued
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 # How many byte ranges a TransferError names; a failed batch may cover thousands.
@@ -37,6 +42,41 @@ DIRTY_NOTE = (
     "a write reported failed or timed out may still land later, so treat the destination "
     "memory as dirty until a later full write to it succeeds"
 )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteCost:
+    """What one write costs a transport, as a sender weighs it before a push.
+
+    A write of ``n`` bytes is modelled as ``write_s + n / bytes_per_s``: a fixed cost per
+    request (posting it, its completion, the transport's per-request protocol work; paid on
+    the writer's CPU) and the rate its bytes then move at. These are configured figures, not
+    measured at run time, so a push program is the same on every run of the same setup;
+    ``bench/transport.py`` measures both for a link.
+
+    Attributes:
+        write_s: fixed cost of one write request, in seconds.
+        bytes_per_s: the rate one writer's bytes move at once the write is posted.
+        pitched: the writer copies a strided piece (rows of a tensor, a pitch apart) into
+            the target as one copy (memory mapped into its process), not one write per row.
+
+    Raises:
+        ValueError: a negative cost or a rate that is not positive.
+    """
+
+    write_s: float
+    bytes_per_s: float
+    pitched: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.write_s >= 0:
+            raise ValueError(f"WriteCost.write_s must be >= 0, got {self.write_s!r}")
+        if not self.bytes_per_s > 0:
+            raise ValueError(f"WriteCost.bytes_per_s must be > 0, got {self.bytes_per_s!r}")
+
+    def seconds(self, num_writes: int, num_bytes: int) -> float:
+        """The modelled time of `num_writes` requests moving `num_bytes` in all."""
+        return num_writes * self.write_s + num_bytes / self.bytes_per_s
 
 
 class WriteHandle:
@@ -74,6 +114,11 @@ class Transport(Protocol):
     @property
     def session_id(self) -> str:
         """The id peers pass as ``target_session`` to write into this process's memory."""
+        ...
+
+    @property
+    def write_cost(self) -> WriteCost:
+        """What one write costs this transport, for the protocol it actually runs."""
         ...
 
     def register(self, addr: int, num_bytes: int) -> None:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import WeightSyncError
+from weightsync.transport.base import WriteCost
 
 _LOG = logging.getLogger(__name__)
 _NATIVE_LOG = logging.getLogger("weightsync.transport.mooncake.native")
@@ -50,6 +51,19 @@ _GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
 _GLOG_NOTE = "WARNING: Logging before InitGoogleLogging()"
 
 PROTOCOLS = ("tcp", "rdma", "auto")
+
+DEFAULT_WRITE_COSTS: dict[str, WriteCost] = {
+    # Every region is one transfer_submit_write from Python, polled from Python, and over TCP
+    # each request is also a message of Mooncake's own protocol on a socket. Fitted from
+    # bench/transport.py's region sweep (1 to 10,000 regions of one 256 MiB write) between
+    # two processes over loopback on a 2-core host: 25-30 us per write (27.9 fitted), 1.9-2.3
+    # GB/s; the sender's choice moves only for pieces near the break-even, tens of KiB.
+    "tcp": WriteCost(write_s=25e-6, bytes_per_s=1.9e9),
+    # RDMA posts a work request per slice and the NIC moves the bytes; the request's Python
+    # calls (submit and poll) are most of its fixed cost. 50 GB/s: one 400 Gb/s NIC.
+    "rdma": WriteCost(write_s=5e-6, bytes_per_s=50e9),
+}
+"""What one write costs each protocol Mooncake runs (`MooncakeConfig.write_cost` overrides)."""
 _METADATA_SERVER = "P2PHANDSHAKE"
 _RDMA_SYSFS = Path("/sys/class/infiniband")
 _ENV_LOCK = threading.Lock()
@@ -75,6 +89,9 @@ class MooncakeConfig:
             seconds, at least 5, which is Mooncake's floor). `wait` takes its own timeout.
         max_outstanding_per_peer: most writes in flight to one peer over all threads; more
             can wedge Mooncake's TCP connection.
+        write_cost: what one write costs on your link (`weightsync.transport.WriteCost`, as
+            ``bench/transport.py`` measures it); None: `DEFAULT_WRITE_COSTS` of the protocol
+            the engine runs (``"auto"`` resolves to ``"tcp"`` or ``"rdma"`` first).
     """
 
     hostname: str = "127.0.0.1"
@@ -82,6 +99,7 @@ class MooncakeConfig:
     device_name: str = ""
     timeout_s: float = 30.0
     max_outstanding_per_peer: int = 1000
+    write_cost: WriteCost | None = None
 
     def __post_init__(self) -> None:
         if not self.hostname:
@@ -93,6 +111,11 @@ class MooncakeConfig:
         if self.max_outstanding_per_peer < 1:
             raise ValueError(
                 f"max_outstanding_per_peer must be at least 1, got {self.max_outstanding_per_peer}"
+            )
+        if self.write_cost is not None and not isinstance(self.write_cost, WriteCost):
+            raise ValueError(
+                f"write_cost must be a weightsync.transport.WriteCost or None, "
+                f"got {self.write_cost!r}"
             )
 
     @property

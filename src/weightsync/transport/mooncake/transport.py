@@ -12,11 +12,16 @@ from weightsync.errors import TransferError, WeightSyncError
 from weightsync.transport.base import (
     DIRTY_NOTE,
     RegionTable,
+    WriteCost,
     WriteHandle,
     byte_ranges,
     check_regions,
 )
-from weightsync.transport.mooncake.engine import MooncakeConfig, create_engine
+from weightsync.transport.mooncake.engine import (
+    DEFAULT_WRITE_COSTS,
+    MooncakeConfig,
+    create_engine,
+)
 
 # One transfer_submit_write per region, polled with transfer_check_status and a short sleep,
 # rather than batch_transfer_async_write: the binding has no non-spinning way to poll a batch
@@ -106,6 +111,13 @@ class MooncakeTransport:
     def config(self) -> MooncakeConfig:
         """The configuration this transport was created with."""
         return self._config
+
+    @property
+    def write_cost(self) -> WriteCost:
+        """`MooncakeConfig.write_cost`, else the default of the protocol the engine runs."""
+        if self._config.write_cost is not None:
+            return self._config.write_cost
+        return DEFAULT_WRITE_COSTS[self.protocol]
 
     def supports_device(self, device: Any) -> bool:
         """Whether memory on `device` (a ``torch.device`` or its type name) can be written from.
