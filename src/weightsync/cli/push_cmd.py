@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -15,6 +16,8 @@ from rich.table import Table
 
 from weightsync.cli.logs import configure_logging
 from weightsync.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
 
 # Exit codes: a replica did not take the update, and bad command-line input.
 _FAILED = 1
@@ -68,12 +71,16 @@ def push(
 ) -> None:
     """Push a checkpoint's weights into running replicas (SGLang or `weightsync serve`).
 
-    Reads the safetensors files as memory-mapped views (nothing is loaded up front), plans
-    the copy against what every replica publishes, and writes each replica's own layout into
-    its registered memory, over Mooncake (RDMA, or TCP where there is none). Runs the update
-    lifecycle on every replica (pause, begin, push, version, end, resume). Exits 0 only when
-    every replica took the update. Operators use it to seed new replicas or roll back to a
-    saved checkpoint.
+    Checks every safetensors header first (dtypes, shapes, offsets inside the file, sizes,
+    no overlaps): a bad file exits 2 naming it and the tensor, before any replica is
+    touched. Then plans the copy against what every replica publishes and writes each
+    replica's own layout into its registered memory, over Mooncake (RDMA, or TCP where there
+    is none), reading the checkpoint a tensor at a time (host memory holds a few tensors and
+    buckets, not the checkpoint).
+    Runs the update lifecycle on every replica (pause, begin, push, version, end, resume).
+    Exits 0 only when every replica took the update; a failure is one line on stderr. A file
+    that changes during the push fails it, and the replicas stay paused until a later push
+    lands. Operators use it to seed new replicas or roll back to a saved checkpoint.
     """
     # The environment is read here, at the entry point, and nowhere else.
     api_key = api_key if api_key is not None else os.environ.get("WEIGHTSYNC_API_KEY") or None
@@ -86,7 +93,7 @@ def push(
 
     import weightsync as ws
     from weightsync.checkpoint import load_config_dict, open_safetensors
-    from weightsync.export import TensorsExport
+    from weightsync.export import CheckpointExport
 
     result: dict[str, Any] = {
         "ok": False,
@@ -98,28 +105,38 @@ def push(
     }
     try:
         hf_config = load_config_dict(checkpoint)
-        export = TensorsExport(open_safetensors(checkpoint))
         config = ws.SyncConfig(
-            sender=ws.SenderConfig(bucket_bytes=bucket_mb << 20, timeout_s=timeout_s),
+            # Staged writes only: the reader frees each tensor once it is staged, where a
+            # direct write would keep it until the push ends (the whole checkpoint in memory).
+            sender=ws.SenderConfig(
+                bucket_bytes=bucket_mb << 20, timeout_s=timeout_s, direct="never"
+            ),
             control=ws.ControlConfig(
                 api_key=api_key, check_weight_update_equal=check_weight_update_equal
             ),
             transport=ws.MooncakeConfig(protocol=transport, timeout_s=timeout_s),
         )
-    except ValueError as exc:
-        _usage(console, str(exc))
-    num_bytes = sum(t.numel() * t.element_size() for _, t in export)
+        # Every header is checked here, before any replica is contacted.
+        files = open_safetensors(checkpoint)
+    except (OSError, ValueError) as exc:
+        _usage(console, _one_line(exc))
     failure: str | None = None
-    with _progress(console, quiet=as_json) as progress:
+    with files, _progress(console, quiet=as_json) as progress:
         progress.add_task(
-            f"pushing {num_bytes / 1e9:.2f} GB of {checkpoint.name} into {len(replica)} replica(s)"
+            f"pushing {files.num_bytes / 1e9:.2f} GB of {checkpoint.name} into "
+            f"{len(replica)} replica(s)"
         )
         try:
             with ws.TrainerSync(config, hf_config=hf_config, replicas=replica) as sync:
-                report = sync.sync(export, version=version)
+                report = sync.sync(CheckpointExport(files), version=version)
             result.update(report.to_dict(), ok=True)
-        except (WeightSyncError, ValueError) as exc:
-            failure = str(exc)
+        except (WeightSyncError, ValueError, OSError) as exc:
+            failure = _one_line(exc)
+        except Exception as exc:
+            # Not an error the library reports (a bug, or a native library failing): still
+            # one line; --verbose shows where it came from.
+            logger.debug("push failed", exc_info=True)
+            failure = f"{type(exc).__name__}: {_one_line(exc)}"
     if as_json:
         print(json.dumps({**result, "error": failure} if failure else result))
     elif failure is None:
@@ -129,7 +146,8 @@ def push(
             f"[green]ok[/green]: version {result['version']} on {len(replica)} replica(s){exact}"
         )
     else:
-        console.print(f"push failed: {failure}", style="red", markup=False)
+        # One line however wide the terminal: scripts and log collectors read it whole.
+        console.print(f"push failed: {failure}", style="red", markup=False, soft_wrap=True)
     if failure is not None:
         raise typer.Exit(_FAILED)
 
@@ -159,8 +177,15 @@ def _progress(console: Console, *, quiet: bool) -> Progress:
     )
 
 
+def _one_line(error: BaseException) -> str:
+    """`error`'s message and notes (where a failure left the replicas) on one line."""
+    parts = [str(error), *getattr(error, "__notes__", ())]
+    lines = (line.strip() for part in parts for line in part.splitlines())
+    return "; ".join(line for line in lines if line) or type(error).__name__
+
+
 def _usage(console: Console, message: str) -> NoReturn:
-    console.print(f"weightsync push: {message}", style="red", markup=False)
+    console.print(f"weightsync push: {message}", style="red", markup=False, soft_wrap=True)
     raise typer.Exit(_USAGE_ERROR)
 
 
