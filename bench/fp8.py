@@ -46,7 +46,7 @@ from weightsync.plan import TargetRank, build_plan
 from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import preset_config
 from weightsync.torch_dtypes import torch_dtype
-from weightsync.transport.base import WriteHandle
+from weightsync.transport.base import WriteCost, WriteHandle
 
 HBM_PEAK = 4.8e12
 BLOCK = 128
@@ -148,6 +148,8 @@ class _DeviceCopyTransport:
     wire, so that the push's plan, staging, fills and write regions run as in a sync."""
 
     session_id = "127.0.0.1:1"
+    # A copy launch per region, at the device's copy rate.
+    write_cost = WriteCost(write_s=5e-6, bytes_per_s=1e12)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

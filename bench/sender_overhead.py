@@ -32,12 +32,15 @@ from weightsync.plan import TargetRank, build_plan
 from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import preset_config
 from weightsync.transport.base import WriteHandle
+from weightsync.transport.mooncake.engine import DEFAULT_WRITE_COSTS
 
 
 class _NullTransport:
     """Accepts every write as done: isolates the sender's Python from the transport's."""
 
     session_id = "127.0.0.1:1"
+    # The push it prices is a Mooncake TCP push: the sender lowers it for that cost.
+    write_cost = DEFAULT_WRITE_COSTS["tcp"]
 
     def __init__(self) -> None:
         self.num_regions = 0
