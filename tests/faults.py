@@ -39,6 +39,31 @@ class StallingExport:
             yield item
 
 
+class HookedTransport:
+    """A transport that runs a hook once, at the first write after `arm` (before the write
+    goes out), and is otherwise `inner`: to act while a push that reads no stream (a
+    replay) runs."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._hook: Callable[[], None] | None = None
+        self.fired = 0
+
+    def arm(self, hook: Callable[[], None]) -> None:
+        """Run `hook` at the next write."""
+        self._hook = hook
+
+    def write(self, *args: Any, **kwargs: Any) -> Any:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            self.fired += 1
+            hook()
+        return self._inner.write(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def rewriting_proxy(upstream: str, rewrite: Callable[[dict[str, Any]], None]) -> FastAPI:
     """An app that forwards every request to `upstream` and lets `rewrite` change the JSON
     of ``/remote_instance_transfer_engine_info`` replies: a replica that publishes wrong

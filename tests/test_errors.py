@@ -13,6 +13,7 @@ from weightsync.errors import (
     PartialPushError,
     PartialSyncError,
     RemoteReplicaError,
+    TensorChangedError,
     TransferError,
 )
 
@@ -28,6 +29,7 @@ ERRORS = [
     ),
     LayoutMismatchError("mismatch"),
     CollectiveError("timed out"),
+    TensorChangedError("changed", hf_name="model.norm.weight", rank=1),
 ]
 
 

@@ -7,12 +7,14 @@ parameters live on the second GPU when there is one.
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from faults import StallingExport
 from test_sender import (
     LARGE,
     MODELS,
@@ -24,6 +26,7 @@ from test_sender import (
     _load,
     _plan_for,
 )
+from weightsync.errors import TensorChangedError
 from weightsync.export import ModelExport
 from weightsync.sender import WeightSender
 from weightsync.testing.presets import random_model
@@ -220,4 +223,48 @@ def test_row_parallel_slices_are_pitched_copies_into_mapped_memory(
     )
     assert stats.bytes_direct > 0 and stats.bytes_staged == padding
     assert stats.digests == gpu_receiver.call(cmd="digests", group="tiny")
+    sender.close()
+
+
+def test_a_tensor_changed_while_its_copies_run_fails_the_push_or_its_landing(
+    gpu_receiver: Receiver, ipc
+) -> None:
+    # bfloat16 at tp=1 over CUDA IPC: every byte is a copy from the trainer's tensors into
+    # the receiver's mapped memory. A tensor changed while they read it fails the push (a
+    # streamed one) or, for a replay left in flight, `wait_landed`, naming the tensor.
+    gpu_receiver.call(cmd="fill", group="large", value=7.0)
+    sender = WeightSender(_config(), transport=ipc)
+    model = random_model(LARGE, seed=101).to(device="cuda:0", dtype=torch.bfloat16)
+    export = ModelExport(model)
+    plan = _plan_for(sender, export, gpu_receiver, "large").for_source(0)
+    name = "model.layers.2.mlp.up_proj.weight"
+    tensor = model.get_parameter(name)
+    index = [n for n, _ in export].index(name)
+
+    def step() -> None:
+        with torch.no_grad():
+            tensor.mul_(0.5)
+
+    with pytest.raises(TensorChangedError, match=f"'{name}' changed") as caught:
+        sender.push(plan, StallingExport(export, after=index + 6, hook=step))
+    assert caught.value.hf_name == name
+
+    _load(model, 102, LARGE)
+    assert not sender.push(plan, export).replayed  # streamed again, and captured
+    _load(model, 103, LARGE)
+    stats = sender.push(plan, export, wait=False)
+    assert stats.replayed and stats.in_flight
+    thread = threading.Thread(target=step)  # a step on another thread, copies in flight
+    thread.start()
+    thread.join()
+    with pytest.raises(TensorChangedError, match="and its copies being seen landed"):
+        sender.wait_landed()
+
+    # Steps between pushes are no fault, with or without the copies left in flight.
+    for seed, wait in ((104, True), (105, False)):
+        _load(model, seed, LARGE)
+        stats = sender.push(plan, export, wait=wait)
+        assert stats.replayed and stats.in_flight is not wait
+        sender.wait_landed()
+        _assert_exact(gpu_receiver, "large", seed=seed)
     sender.close()

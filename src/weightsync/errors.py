@@ -103,6 +103,29 @@ class PartialPushError(TransferError):
         self.result = result
 
 
+class TensorChangedError(WeightSyncError):
+    """A trainer tensor changed while a push read it: an in-place op on it (or on a tensor
+    that shares its memory and version counter) between the push taking it and the push's
+    last write that reads it landing, such as an optimizer step on another thread.
+
+    The push's writes went out, so every replica it wrote to may hold a mix of old and new
+    values: a sync fails as a whole and leaves them paused and dirty until a later sync
+    succeeds. Not a `PartialPushError`: no target got a consistent copy.
+
+    Attributes:
+        hf_name: the HF name of the first tensor (in stream order) whose version counter
+            moved.
+        rank: the trainer rank that pushed it.
+    """
+
+    _keywords = ("hf_name", "rank")
+
+    def __init__(self, message: str, *, hf_name: str, rank: int) -> None:
+        super().__init__(message)
+        self.hf_name = hf_name
+        self.rank = rank
+
+
 class PartialSyncError(WeightSyncError):
     """A sync updated some replicas and failed on others after writing to them: those stay
     paused (and dirty) until a later sync to them succeeds; the updated ones serve.

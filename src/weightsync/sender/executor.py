@@ -15,6 +15,9 @@ written:
 - host copies are done when the fill returns, so their writes go out at once;
 - a direct step (`weightsync.plan.direct`) runs once its last tensor arrived: its writes go
   out from the trainer's own memory (`weightsync.sender.direct`), no slot involved.
+
+Each tensor is pinned as it arrives (`weightsync.sender.pins`): its version counter is read
+before anything reads its bytes, for the caller to check once the writes landed.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from weightsync.plan.program import ChunkStep, PushProgram
 from weightsync.sender.digest import DigestSums
 from weightsync.sender.direct import MappedDirect, TransportDirect
 from weightsync.sender.fill import SlotFiller, record_events
+from weightsync.sender.pins import UNCOUNTED, PushPins
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.writes import WriteQueue
 from weightsync.torch_dtypes import storage_bytes, torch_dtype
@@ -67,6 +71,8 @@ class ProgramRun:
             the program has any.
         table: the program's `arrival_table`, when the caller keeps it between pushes
             (computed here otherwise).
+        pins: where each tensor the program reads is pinned as it arrives (None: nowhere);
+            the caller checks it after `execute`.
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class ProgramRun:
         digests: DigestSums | None = None,
         direct: TransportDirect | MappedDirect | None = None,
         table: ArrivalTable | None = None,
+        pins: PushPins | None = None,
     ) -> None:
         if program.direct and direct is None:
             raise ValueError("the program writes directly from its tensors: pass direct=")
@@ -89,6 +96,7 @@ class ProgramRun:
         self._ring = ring
         self._filler = filler
         self._queue = queue
+        self._pins = pins
         if ring is None and program.steps:
             raise ValueError("the program stages its tensors: pass the staging ring")
         self._ring_base = ring.base_addr if ring is not None else 0
@@ -101,7 +109,9 @@ class ProgramRun:
 
     def execute(self, tensors: Iterable[tuple[str, Any]]) -> None:
         """Consume the stream and run every step; return once every write landed or failed
-        (a failed target is recorded in the queue's `WriteQueue.failed`, not raised).
+        (a failed target is recorded in the queue's `WriteQueue.failed`, not raised). Each
+        tensor the program reads is pinned in `pins` (kept, its version counter read) as it
+        arrives.
 
         Raises:
             ValueError: the stream differs from the geometry the program was lowered for (a
@@ -117,6 +127,9 @@ class ProgramRun:
         arrived = 0
         next_step = 0
         pending: tuple[ChunkStep, list[torch.cuda.Event]] | None = None
+        # Tensors arrive in program order, so the i-th pinned is ``program.keys[i]``.
+        pins = self._pins if self._pins is not None else PushPins(program.plan.rank)
+        pinned, versions = pins.stream(program.keys)
         for key, tensor in tensors:
             position = index.get(key)
             if position is None:
@@ -143,6 +156,12 @@ class ProgramRun:
                     self._write(*pending)
                 raise self._mismatch(key, tensor, position, arrived)
             held[position] = tensor
+            try:
+                versions.append(tensor._version)
+                pinned.append(tensor)
+            except RuntimeError:  # an inference tensor counts no versions
+                versions.append(0)
+                pinned.append(UNCOUNTED)
             arrived += 1
             if position in direct_sources:
                 arrived_direct[position] = tensor

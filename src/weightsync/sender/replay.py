@@ -13,7 +13,8 @@ A captured push is valid for one program (so one plan and stream geometry) and o
 key of the export (`weightsync.export.ViewExport.geometry_key`: where its tensors lie). The
 sender compares the key before the push starts and captures again when it changed (a
 parameter moved). A captured push holds the tensors it reads, so their memory cannot be
-reused under it.
+reused under it, and names one per version counter (``pinned``, `weightsync.sender.pins`):
+a replay reads those counters before it writes and checks them once its writes landed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from weightsync.sender.direct import (
     copy_all,
     device_tensor,
 )
+from weightsync.sender.pins import counted
 
 if TYPE_CHECKING:
     from weightsync.plan.types import TargetRank
@@ -47,6 +49,10 @@ class WritePush:
         program: the all-direct program that ran.
         key: the export's memory key it ran under.
         bound: what each direct step read (`TransportDirect.bound`).
+
+    Attributes:
+        pinned: the names and tensors whose version counters a replay checks
+            (`weightsync.sender.pins.counted`).
     """
 
     def __init__(self, program: PushProgram, key: Any, bound: list[BoundStep]) -> None:
@@ -64,6 +70,7 @@ class WritePush:
                 )
         self._writes = list(writes.values())
         self._regions = [(item.base, item.storage.numel()) for item in bound]
+        self.pinned = _pinned(program, bound)
 
     def replay(self, queue: WriteQueue, sources: SourceMemory, sums: DigestSums | None) -> None:
         """Submit every write again (the queue's waits cover them) and read the digest
@@ -99,6 +106,10 @@ class GraphPush:
         sums: the program's digest sums, or None without digests.
         device: the CUDA device the copies ran on.
         timeout_s: how long `digests` waits for the digest graph.
+
+    Attributes:
+        pinned: the names and tensors whose version counters a replay checks
+            (`weightsync.sender.pins.counted`).
     """
 
     def __init__(
@@ -117,6 +128,7 @@ class GraphPush:
         # Held for the graphs' lifetime: they read and write the memory of these tensors
         # (the trainer's, the copies' views, the digest buffers) by address.
         self._bound = bound
+        self.pinned = _pinned(program, bound)
         self._copies = copies
         self._sums = sums
         self._device = device
@@ -195,6 +207,13 @@ class GraphPush:
                 "(the GPU is stuck or far behind)"
             )
         return dict(zip(self.program.digests, self._digests.tolist(), strict=True))
+
+
+def _pinned(program: PushProgram, bound: list[BoundStep]) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and tensors whose version counters a replay of `bound` checks."""
+    return counted(
+        (program.keys[index], tensor) for item in bound for index, tensor in item.tensors.items()
+    )
 
 
 # Branches of the graph the copies are dealt over: a graph runs a branch's copies one after

@@ -28,6 +28,7 @@ from weightsync.sender.direct import (
 from weightsync.sender.executor import ArrivalTable, ProgramRun, arrival_table
 from weightsync.sender.fences import PushFences
 from weightsync.sender.fill import SlotFiller
+from weightsync.sender.pins import PushPins
 from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
 from weightsync.sender.staging import StagingRing, direct_spec, transport_reads
 from weightsync.sender.stats import PushStats
@@ -106,6 +107,8 @@ class WeightSender:
         self._landing: dict[torch.device, tuple[torch.cuda.Event, str]] = {}
         self._recorded: tuple[torch.cuda.Event, str] | None = None
         self._in_flight: tuple[torch.cuda.Event, PushStats] | None = None
+        # The pins of pushed parts whose copies are still in flight, checked once they land.
+        self._landing_pins: list[PushPins] = []
         self._fences: PushFences | None = None
         self._closed = False
 
@@ -225,6 +228,25 @@ class WeightSender:
     ) -> PushStats:
         """Write this rank's share of a sync into the plan's targets.
 
+        The export's tensors are pinned for the push (`weightsync.sender.pins`): they must
+        not change from when the push takes each one (as the stream yields it; a replayed
+        push takes them all as it starts) until its last write that reads them landed. The
+        push reads each one's version counter then and again before it returns, and fails
+        naming the first that moved: a change in that window, such as an optimizer step on
+        another thread, would leave the replicas with part old, part new values. A plan of
+        several dtypes (``plan.parts``) is pushed part by part, each part checked over its
+        own window. A streamed push pays 0.15-0.3 us per HF tensor (an 18,867-tensor MoE:
+        3-5 ms, 2-3 % of the push's Python in ``bench/sender_overhead.py``); a replay pays
+        per version counter, which views share with the tensor they view: ~50 us for a
+        dense 8B model's 398 tensors, ~60 us for a MoE whose 18,867 tensors are views of
+        531 (one core of an H200 host; 60 and 80 us on a shared 2-core VM).
+
+        With ``wait=False`` and a replay left in flight, the push checks up to its copies
+        being queued and `wait_landed` checks again once they landed: until it returns the
+        tensors must not change (a change ordered after the copies on their CUDA stream
+        cannot mix with them, but the check cannot tell it apart). A push whose landing is
+        never waited for is checked only up to its return.
+
         Args:
             plan: ``sync_plan.for_source(self.rank)``.
             export: this rank's PP-local export; its tensors may have any dtype (cast to
@@ -253,6 +275,10 @@ class WeightSender:
                 target); every write to the other targets landed, and ``result`` holds this
                 push's `PushStats` (their digests included).
             TransferError: a fence was not reached in time (nothing was written).
+            TensorChangedError: a tensor changed while the push read it (naming the first
+                whose version counter moved); raised after the writes landed (or were
+                drained), so the targets may hold a mix of old and new values. It takes
+                precedence over a `PartialPushError` of the same push.
         """
         if self._closed:
             raise ValueError("push() on a closed WeightSender")
@@ -303,6 +329,8 @@ class WeightSender:
         Raises:
             PartialPushError: they did not finish within ``config.timeout_s`` (every target
                 they wrote to is named failed; they may still finish later).
+            TensorChangedError: a tensor the copies read changed between the push taking it
+                and this call seeing the copies done (see `push`).
         """
         pending, self._in_flight = self._in_flight, None
         if pending is None:
@@ -310,7 +338,9 @@ class WeightSender:
         event, stats = pending
         t0 = time.perf_counter()
         if wait_reached((event,), self.config.timeout_s):
-            return time.perf_counter()
+            landed = time.perf_counter()
+            self._check_landed()
+            return landed
         waited = time.perf_counter() - t0
         failed = {
             session: TransferError(
@@ -332,10 +362,18 @@ class WeightSender:
 
     def _settle(self) -> None:
         """Wait (up to ``config.timeout_s``) for copies left in flight that nobody waited
-        for, and forget them: later work on the stream is ordered after them anyway."""
+        for, and forget them (their pins unchecked, as `push` says): later work on the stream
+        is ordered after them anyway."""
         pending, self._in_flight = self._in_flight, None
+        self._landing_pins = []
         if pending is not None:
             wait_reached((pending[0],), self.config.timeout_s)
+
+    def _check_landed(self) -> None:
+        """Check the pins of parts whose copies were in flight, now that they landed."""
+        pins, self._landing_pins = self._landing_pins, []
+        for part in pins:
+            part.check(until="its copies being seen landed")
 
     def _push_one(
         self,
@@ -369,10 +407,12 @@ class WeightSender:
             # landed, so the push does too.
             wait_reached((self._recorded[0],), self.config.timeout_s)
             self._recorded = None
+            self._check_landed()
         ring = self._ring_for(program.staging) if program.steps else None
         writer = self._direct_writer(program, device) if program.direct else None
         if kept.table is None:
             kept.table = arrival_table(program)
+        pins = PushPins(self.rank)
         run = ProgramRun(
             program,
             ring=ring,
@@ -381,10 +421,12 @@ class WeightSender:
             digests=sums,
             direct=writer,
             table=kept.table,
+            pins=pins,
         )
         try:
             run.execute(iter(export))
             self._wait_mapped(program, writer)
+            pins.check()
         except BaseException:
             self._queue.drain()
             raise
@@ -488,6 +530,8 @@ class WeightSender:
         program = captured.program
         in_flight = not wait and isinstance(captured, GraphPush)
         t0 = time.perf_counter()
+        pins = PushPins(self.rank)
+        pins.take(*captured.pinned)
         try:
             captured.replay(self._queue, self._sources, sums)
             if in_flight:
@@ -497,6 +541,16 @@ class WeightSender:
                 self._queue.wait_all()
             t1 = time.perf_counter()
             digests = _per_target(program, captured.digests(sums)) if sums is not None else {}
+            if in_flight:
+                # Up to the copies being queued; the rest when they are seen landed.
+                pins.check(until="its copies being queued")
+                self._landing_pins.append(pins)
+            else:
+                pins.check()
+                if isinstance(captured, GraphPush):
+                    # Earlier parts' copies ran ahead of this part's on the stream it waited
+                    # for.
+                    self._check_landed()
         except BaseException:
             self._queue.drain()
             raise
