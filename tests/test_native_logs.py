@@ -34,3 +34,31 @@ def test_what_other_threads_wrote_while_captured_goes_back_to_stderr(capsys, cap
         glog,
         "WARNING: Logging before InitGoogleLogging() is written to STDERR",
     ]
+
+
+def test_a_config_that_says_so_leaves_stderr_alone(tmp_path):
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, stat, sys\n"
+        "from weightsync.transport import MooncakeConfig, MooncakeTransport\n"
+        "capture = sys.argv[1] == 'on'\n"
+        "MooncakeTransport(MooncakeConfig(protocol='tcp', capture_native_logs=capture)).close()\n"
+        "print(stat.S_ISFIFO(os.fstat(2).st_mode))\n"
+    )
+    seen = {}
+    for mode in ("on", "off"):
+        # stderr is a file: descriptor 2 becomes a pipe only where the capture takes it.
+        with (tmp_path / f"{mode}.err").open("w") as err:
+            done = subprocess.run(
+                [sys.executable, "-c", probe, mode],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+            )
+        assert done.returncode == 0, (tmp_path / f"{mode}.err").read_text()[-2000:]
+        seen[mode] = done.stdout.strip().splitlines()[-1]
+    assert seen == {"on": "True", "off": "False"}

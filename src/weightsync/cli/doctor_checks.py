@@ -459,7 +459,7 @@ async def _write_row(
                 status=FAIL,
                 detail=f"cannot connect to transfer engine(s) {', '.join(failed)}",
                 fix="the ranks' addresses must be reachable from here (SGLANG_HOST_IP; a "
-                "firewall must let MC_MIN_RPC_PORT..MC_MAX_RPC_PORT through)",
+                "firewall must let the ranks' Mooncake ports through: each rank logs them)",
             )
         return CheckRow(
             subject=url,
@@ -484,8 +484,8 @@ async def _write_row(
             name="transfer",
             status=FAIL,
             detail=f"test write failed: {exc}",
-            fix="the ranks' transfer engines must be reachable from here (firewall "
-            "MC_MIN_RPC_PORT..MC_MAX_RPC_PORT open between trainer and replica)",
+            fix="the ranks' transfer engines must be reachable from here (their Mooncake "
+            "ports, which each rank logs, open between trainer and replica)",
         )
     return CheckRow(
         subject=url,

@@ -4,8 +4,9 @@ The library logs through ``logging.getLogger("weightsync...")`` and configures n
 commands call `configure_logging` once per process. By default only warnings and errors of
 weightsync reach the terminal, and Mooncake is told to log errors only (``MC_LOG_LEVEL``,
 read by its engine in this process and in the processes a command starts); what Mooncake
-prints while an engine starts is logged at DEBUG on ``weightsync.transport.mooncake.native``
-(see `weightsync.transport.mooncake.engine`). ``--verbose`` shows all of it: weightsync at
+prints (while an engine starts, and after: a failed write's error lines) is logged at DEBUG
+on ``weightsync.transport.mooncake.native`` instead of reaching stderr (see
+`weightsync.transport.mooncake.native_log`). ``--verbose`` shows all of it: weightsync at
 DEBUG and Mooncake at INFO.
 """
 

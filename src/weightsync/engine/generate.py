@@ -9,6 +9,11 @@ import torch
 
 from weightsync.engine.model import ReferenceModel
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
+"""The lowest temperature sampled at (0 is greedy): the logits are divided by it in float32,
+where a subnormal temperature is zero and smaller ones overflow; the HTTP protocol's floor
+(`weightsync.control.models.MIN_TEMPERATURE`) is the same."""
+
 
 def _check_request(
     model: ReferenceModel, input_ids: Sequence[int], max_new_tokens: int, temperature: float
@@ -23,6 +28,11 @@ def _check_request(
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if 0 < temperature < MIN_SAMPLING_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be 0 (greedy) or at least {MIN_SAMPLING_TEMPERATURE:g}, "
+            f"got {temperature!r}"
+        )
 
 
 def _next_token(
@@ -64,7 +74,8 @@ def generate(
 
     Raises:
         ValueError: an empty prompt, an id outside the vocabulary, a negative
-            ``max_new_tokens`` or temperature.
+            ``max_new_tokens``, a negative temperature or one between 0 and
+            `MIN_SAMPLING_TEMPERATURE`.
     """
     input_ids = list(input_ids)
     _check_request(model, input_ids, max_new_tokens, temperature)

@@ -396,6 +396,7 @@ class RolloutAgent:
 
         Raises:
             ValueError: unknown action or a skip entry that matches no parameter.
+            MemoryError: a snapshot found no host memory for its copy.
         """
         result = self._checker.run(
             action,

@@ -113,6 +113,7 @@ REFUSED = "refused"  # not now (a session is open): retry later
 CONFLICT = "conflict"  # the call contradicts the state (begin twice, end without begin)
 INVALID = "invalid"  # bad arguments
 INTERNAL = "internal"  # a bug or a broken rank
+OUT_OF_MEMORY = "out_of_memory"  # an allocation failed; the error says what and how much
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +124,8 @@ class RankReply:
         tp_rank: the rank that replied.
         value: the command's result when it succeeded.
         error: why it failed, ``None`` on success.
-        error_kind: ``refused``, ``conflict``, ``invalid`` or ``internal`` when it failed.
+        error_kind: ``refused``, ``conflict``, ``invalid``, ``internal`` or
+            ``out_of_memory`` when it failed.
     """
 
     tp_rank: int

@@ -23,6 +23,7 @@ from weightsync.server.ranks.commands import (
     CONFLICT,
     INTERNAL,
     INVALID,
+    OUT_OF_MEMORY,
     REFUSED,
     BeginUpdate,
     CheckWeights,
@@ -36,6 +37,7 @@ from weightsync.server.ranks.commands import (
     SetWeightVersion,
     Shutdown,
 )
+from weightsync.server.ranks.memory import describe_out_of_memory, is_out_of_memory
 from weightsync.torch_dtypes import dtype_name
 from weightsync.transport import (
     CudaIpcConfig,
@@ -265,6 +267,16 @@ class RankRuntime:
             return self._error(INVALID, exc)
         except Exception as exc:
             logger.exception("%s failed", type(command).__name__)
+            if is_out_of_memory(exc):
+                # The caller can act on this one (free memory, skip parameters): the reply
+                # says so, with the sizes, and no other text of the failure.
+                return RankReply(
+                    tp_rank=self.tp_rank,
+                    error=describe_out_of_memory(
+                        exc, what=_doing(command), tp_rank=self.tp_rank, device=self.model.device
+                    ),
+                    error_kind=OUT_OF_MEMORY,
+                )
             # The traceback is in this rank's log; replies carry no engine internals.
             return RankReply(
                 tp_rank=self.tp_rank,
@@ -338,3 +350,13 @@ class RankRuntime:
         return RankReply(
             tp_rank=self.tp_rank, error=str(exc) or type(exc).__name__, error_kind=kind
         )
+
+
+def _doing(command: Command) -> str:
+    """What a rank does for `command`, as a failure names it (``"weights_checker compare"``)."""
+    match command:
+        case CheckWeights(action=action):
+            return f"weights_checker {action}"
+        case Generate():
+            return "generate"
+    return type(command).__name__

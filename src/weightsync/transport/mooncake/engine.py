@@ -12,7 +12,9 @@ Mooncake listens on every interface, whatever hostname it is given: its P2P hand
 binds 0.0.0.0 (``findAvailableTcpPort``, ``transfer_metadata_plugin.cpp``) and its TCP data
 port binds [::] dual-stack (``TcpContext``, ``tcp_transport_session_impl.h``); no setting
 changes either (``MC_TCP_BIND_ADDRESS`` only names the address advertised outside P2P
-handshake mode). The first engine of a process logs a warning naming both.
+handshake mode). Both ports come from ``MC_MIN_RPC_PORT..MC_MAX_RPC_PORT`` as the process
+had them when Mooncake was loaded, and only for a range Mooncake takes (`ports`). The first
+engine of a process logs a warning naming both ports and the range they come from.
 
 Mooncake logs through glog, to the process's stderr, and its lowest level
 (``MC_LOG_LEVEL=ERROR``) still prints lines that are not failures while an engine starts
@@ -20,8 +22,9 @@ Mooncake logs through glog, to the process's stderr, and its lowest level
 Logging before InitGoogleLogging()``). So what the native code writes to stderr while an
 engine is created and initialized is captured (file descriptor 2, under the same lock) and
 logged line by line at DEBUG on ``weightsync.transport.mooncake.native``; when the engine
-fails to initialize, the lines are part of the error. What Mooncake logs after start-up
-(failed transfers) still reaches stderr.
+fails to initialize, the lines are part of the error. What Mooncake logs after start-up (a
+failed write's ``E...`` lines, from its own threads) is taken off stderr by the capture the
+first engine installs for the rest of the process (`native_log`) and logged there too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import sys
 import tempfile
@@ -43,12 +45,15 @@ from typing import Any
 
 from weightsync.errors import WeightSyncError
 from weightsync.transport.base import WriteCost
+from weightsync.transport.mooncake.native_log import (
+    NATIVE_LOGGER,
+    capture_native_logs,
+    is_native_line,
+)
+from weightsync.transport.mooncake.ports import PORT_VARIABLES, PortRange, port_range
 
 _LOG = logging.getLogger(__name__)
-_NATIVE_LOG = logging.getLogger("weightsync.transport.mooncake.native")
-# glog's lines: severity, date, time, thread, file:line]; and its note before InitGoogleLogging.
-_GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
-_GLOG_NOTE = "WARNING: Logging before InitGoogleLogging()"
+_NATIVE_LOG = logging.getLogger(NATIVE_LOGGER)
 
 PROTOCOLS = ("tcp", "rdma", "auto")
 
@@ -71,6 +76,9 @@ _ENV_LOCK = threading.Lock()
 _BIND_ATTEMPTS = 5
 _TCP_LISTEN = "0A"
 _warned_listeners = False
+# The port range Mooncake took when this module loaded it; None until then (or where
+# something else loaded it first: then the environment as it is now is the best guess).
+_loaded_ports: PortRange | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,8 +88,11 @@ class MooncakeConfig:
     Attributes:
         hostname: the address peers reach this engine at; part of the session id. It is not
             where the engine listens: Mooncake listens on every interface (see the module
-            docstring), so keep its ports (``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``, by
-            default 15000-17000) behind a firewall.
+            docstring), so keep its ports behind a firewall: 15000-17000, unless
+            ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` name another range when the process
+            starts, with both ends in 1024-65535 and outside 32768-60999 (Mooncake ignores
+            any other range; `weightsync.transport.mooncake.ports`). The first engine of a
+            process logs its ports and their range.
         protocol: ``"tcp"``, ``"rdma"`` or ``"auto"`` (RDMA when an RDMA device is present
             and usable, TCP otherwise).
         device_name: RDMA devices to use, comma-separated (``"mlx5_0,mlx5_1"``); empty for all.
@@ -92,6 +103,10 @@ class MooncakeConfig:
         write_cost: what one write costs on your link (`weightsync.transport.WriteCost`, as
             ``bench/transport.py`` measures it); None: `DEFAULT_WRITE_COSTS` of the protocol
             the engine runs (``"auto"`` resolves to ``"tcp"`` or ``"rdma"`` first).
+        capture_native_logs: take Mooncake's native log lines off the process's stderr and
+            into Python logging for the rest of the process, from the first engine on
+            (`weightsync.transport.mooncake.native_log`, which says what that costs); False
+            leaves file descriptor 2 alone, and the lines of failed writes print there.
     """
 
     hostname: str = "127.0.0.1"
@@ -100,6 +115,7 @@ class MooncakeConfig:
     timeout_s: float = 30.0
     max_outstanding_per_peer: int = 1000
     write_cost: WriteCost | None = None
+    capture_native_logs: bool = True
 
     def __post_init__(self) -> None:
         if not self.hostname:
@@ -168,13 +184,11 @@ def create_engine(config: MooncakeConfig) -> tuple[Any, str]:
 
 
 def _initialize(config: MooncakeConfig, protocol: str) -> Any:
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as exc:
-        raise WeightSyncError(
-            "Mooncake is not installed: pip install 'weightsync[mooncake]' (host memory) or "
-            "'weightsync[mooncake-cuda]' (GPU memory too)"
-        ) from exc
+    with _ENV_LOCK:
+        # Before Mooncake loads, so that the lines it prints while loading are captured too.
+        if config.capture_native_logs:
+            capture_native_logs()
+        TransferEngine = _load_engine_class()
     env = {"MC_TRANSFER_TIMEOUT": str(config.engine_timeout_s)}
     # Without MC_FORCE_TCP Mooncake installs RDMA (or, in CUDA builds without a NIC, its
     # NVLink transport) whatever protocol it is given.
@@ -204,9 +218,9 @@ def _initialize(config: MooncakeConfig, protocol: str) -> Any:
                         if attempt == _BIND_ATTEMPTS - 1:
                             raise WeightSyncError(
                                 f"Mooncake TransferEngine could not bind a port after "
-                                f"{_BIND_ATTEMPTS} tries ({exc}): widen its range "
-                                "(MC_MIN_RPC_PORT, MC_MAX_RPC_PORT) or start fewer engines "
-                                "on this host at once"
+                                f"{_BIND_ATTEMPTS} tries ({exc}); it picks them in "
+                                f"{_ports().describe()}. Widen that range or start fewer "
+                                "engines on this host at once"
                             ) from exc
                         _LOG.debug("Mooncake's port was taken (%s); trying another", exc)
                         continue
@@ -251,18 +265,53 @@ def _warn_of_wildcard_listeners(hostname: str, opened: list[tuple[str, int]]) ->
     _LOG.warning(
         "Mooncake TransferEngine listens on every interface, not only %s: %s. Mooncake "
         "has no setting to bind one interface; whoever reaches these ports can write into "
-        "the memory registered with it, so firewall them (they lie in MC_MIN_RPC_PORT.."
-        "MC_MAX_RPC_PORT, by default 15000-17000)",
+        "the memory registered with it, so firewall them: %s",
         hostname,
         where,
+        _where_ports_lie(_ports(), [port for _, port in wide]),
     )
+
+
+def _where_ports_lie(ports: PortRange, bound: list[int]) -> str:
+    """Which range `bound` (the ports an engine listens on) come from, as far as `ports`
+    (the range Mooncake was loaded with) says."""
+    if all(port in ports for port in bound):
+        return f"Mooncake picks them in {ports.describe()}"
+    # Mooncake was loaded before the environment took its present value.
+    return (
+        f"Mooncake picked them outside {ports.low}-{ports.high}, the range "
+        "MC_MIN_RPC_PORT..MC_MAX_RPC_PORT name now: it reads them once, when it is loaded, "
+        "so set them before the process starts"
+    )
+
+
+def _load_engine_class() -> Any:
+    """Mooncake's TransferEngine class; the first load also fixes its port range."""
+    global _loaded_ports
+    loading = "mooncake.engine" not in sys.modules
+    environ = {name: os.environ[name] for name in PORT_VARIABLES if name in os.environ}
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise WeightSyncError(
+            "Mooncake is not installed: pip install 'weightsync[mooncake]' (host memory) or "
+            "'weightsync[mooncake-cuda]' (GPU memory too)"
+        ) from exc
+    if loading and _loaded_ports is None:
+        _loaded_ports = port_range(environ)
+    return TransferEngine
+
+
+def _ports() -> PortRange:
+    """The range Mooncake picks ports from in this process (see `_loaded_ports`)."""
+    return _loaded_ports if _loaded_ports is not None else port_range(os.environ)
 
 
 def _emit_captured(lines: list[str]) -> None:
     """Log glog's lines at DEBUG; write the others (another thread's, written to stderr while
     it was captured) back to stderr."""
     for line in lines:
-        if _GLOG_LINE.match(line) or line.startswith(_GLOG_NOTE):
+        if is_native_line(line):
             _NATIVE_LOG.debug("%s", line)
         else:
             sys.stderr.write(line + "\n")
