@@ -1,10 +1,12 @@
 """`DirectHttpProtocol` on its own: requests in order on one connection, the hand-over to
-uvicorn's protocol, keep-alive and shutdown, and the request whose client left before it ran,
-over raw sockets to real uvicorn servers (under asyncio's loop and uvloop's). What each
-reply says is `test_direct_routes`' business."""
+uvicorn's protocol, keep-alive and shutdown, the request whose client left before it ran,
+and the guards of a keyed server (refusals from the head, the unauthenticated timeout, the
+connection limit), over raw sockets to real uvicorn servers (under asyncio's loop and
+uvloop's). What each reply says is `test_direct_routes`' business."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -13,12 +15,16 @@ import time
 from urllib.parse import urlsplit
 
 import pytest
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from servers import app_in_thread
 from weightsync.control.models import BeginWeightSyncRequest, EndWeightSyncRequest
+from weightsync.server.connections import ConnectionLimits
 from weightsync.server.direct import DirectApp, DirectRoute
 from weightsync.server.direct_protocol import KEEP_ALIVE_S, direct_protocol
+from weightsync.server.gate import require_key_before_body
+from weightsync.server.http import limit_body_size
 
 KEY = "protocol-key"
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
@@ -227,23 +233,32 @@ def test_a_request_whose_client_left_is_not_run(served, caplog) -> None:
     assert recorder.calls == ["begin target", "end stall"]
 
 
-def test_an_idle_connection_outlives_uvicorns_keep_alive() -> None:
+def test_an_authenticated_connection_outlives_uvicorns_keep_alive() -> None:
     app = _app(Recorder())
-    config = {"http": direct_protocol(app, keep_alive_s=2.0), "timeout_keep_alive": 0.2}
-    with app_in_thread(app, **config) as url:
+    limits = ConnectionLimits(unauthenticated_timeout_s=0.3)
+    config = {"http": direct_protocol(app, keep_alive_s=2.0, limits=limits)}
+    with app_in_thread(app, timeout_keep_alive=0.2, **config) as url:
         parts = urlsplit(url)
         address = (parts.hostname, parts.port)
-        with socket.create_connection(address) as ours, socket.create_connection(address) as theirs:
-            ours.sendall(_request("/begin"))
-            theirs.sendall(_request("/other", method="GET"))
-            assert _replies(ours, 1) == [(200, {"selector": None})]
-            assert _replies(theirs, 1) == [(200, {"served": "by the framework"})]
-            # uvicorn closes its idle connection after its keep-alive; this one stays.
-            assert _closed(theirs, timeout_s=3.0)
-            ours.sendall(_request("/end", {"new_version": "later"}))
-            assert _replies(ours, 1) == [(200, {"new_version": "later"})]
+        with (
+            socket.create_connection(address) as direct,
+            socket.create_connection(address) as framework,
+            socket.create_connection(address) as idle,
+        ):
+            direct.sendall(_request("/begin"))
+            framework.sendall(_request("/other", method="GET"))
+            assert _replies(direct, 1) == [(200, {"selector": None})]
+            assert _replies(framework, 1) == [(200, {"served": "by the framework"})]
+            # The one that sent nothing closes after the unauthenticated timeout; the two
+            # that sent the key stay past it and past uvicorn's own keep-alive.
+            assert _closed(idle, timeout_s=3.0)
+            assert not _closed(framework, timeout_s=0.5)
+            framework.sendall(_request("/other", method="GET"))
+            assert _replies(framework, 1) == [(200, {"served": "by the framework"})]
+            direct.sendall(_request("/end", {"new_version": "later"}))
+            assert _replies(direct, 1) == [(200, {"new_version": "later"})]
             started = time.monotonic()
-            assert _closed(ours)
+            assert _closed(direct)
             assert 1.5 < time.monotonic() - started < 4.0
     assert KEEP_ALIVE_S >= 600.0  # a trainer's step between two syncs
 
@@ -262,3 +277,142 @@ def test_shutdown_closes_idle_connections_at_once() -> None:
         assert _closed(sock)
     finally:
         sock.close()
+
+
+# Every connection of a keyed server: judged from the head, timed until authenticated, and
+# counted against the connection limit.
+
+TIMEOUT_S = 0.5
+
+
+def _keyed_app(recorder: Recorder) -> DirectApp:
+    """`_app` behind the key as the reference servers put it: every path but the open ones
+    needs it, judged from the head; bodies up to a mebibyte."""
+    app = _app(recorder)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/echo")
+    @app.post("/open")
+    async def echo(request: Request) -> dict[str, int]:
+        recorder.calls.append(request.url.path)
+        return {"size": len(await request.body())}
+
+    require_key_before_body(app, KEY, open_paths=("/health", "/open"))
+    limit_body_size(app, 1 << 20, setting="--max-body-bytes")
+    return app
+
+
+@contextlib.contextmanager
+def _keyed_server(*, loop: str = "auto", **limits):
+    recorder = Recorder()
+    app = _keyed_app(recorder)
+    protocol = direct_protocol(
+        app, limits=ConnectionLimits(unauthenticated_timeout_s=TIMEOUT_S, **limits)
+    )
+    with app_in_thread(app, http=protocol, loop=loop) as url:
+        parts = urlsplit(url)
+        yield (parts.hostname, parts.port), recorder
+
+
+@pytest.fixture(scope="module", params=LOOPS)
+def keyed(request):
+    with _keyed_server(loop=request.param) as served:
+        yield served
+
+
+def _head(path: str, *, method: str = "POST", size: int = 0, key: bool = False) -> bytes:
+    auth = f"Authorization: Bearer {KEY}\r\n" if key else ""
+    head = f"{method} {path} HTTP/1.1\r\nHost: test\r\n{auth}Content-Length: {size}\r\n\r\n"
+    return head.encode()
+
+
+def test_a_framework_route_without_the_key_is_refused_from_its_head(keyed) -> None:
+    address, recorder = keyed
+    recorder.calls.clear()
+    with socket.create_connection(address) as sock:
+        sock.sendall(_head("/echo", size=100))
+        [(status, body)] = _replies(sock, 1)
+        assert status == 401 and "Authorization: Bearer" in body["error"]["message"]
+        # Unknown paths need the key too; a declared body over the limit is a 413 first.
+        sock.sendall(b"x" * 100 + _head("/nowhere", method="GET"))
+        assert _replies(sock, 1)[0][0] == 401
+        sock.sendall(_head("/echo", size=2 << 20, key=True))
+        [(status, body)] = _replies(sock, 1)
+        assert status == 413 and "--max-body-bytes" in body["error"]["message"]
+    with socket.create_connection(address) as sock:
+        sock.sendall(_head("/echo", size=5, key=True) + b"12345")
+        assert _replies(sock, 1) == [(200, {"size": 5})]
+    assert recorder.calls == ["/echo"]
+
+
+def test_requests_of_both_kinds_written_ahead_are_answered_in_order(keyed) -> None:
+    address, _ = keyed
+    with socket.create_connection(address) as sock:
+        sock.sendall(
+            _request("/other", method="GET")
+            + _request("/end", {"new_version": "9"})
+            + _head("/echo", size=3, key=True)
+            + b"abc"
+            + _request("/begin")
+        )
+        assert _replies(sock, 4) == [
+            (200, {"served": "by the framework"}),
+            (200, {"new_version": "9"}),
+            (200, {"size": 3}),
+            (200, {"selector": None}),
+        ]
+
+
+def test_an_unauthenticated_connection_has_seconds_for_each_request(keyed) -> None:
+    address, _ = keyed
+    with (
+        socket.create_connection(address) as idle,
+        socket.create_connection(address) as half_head,
+        socket.create_connection(address) as half_body,
+        socket.create_connection(address) as prober,
+    ):
+        started = time.monotonic()
+        half_head.sendall(b"POST /end HTTP/1.1\r\nHost: te")
+        half_body.sendall(_head("/open", size=100) + b"x" * 10)
+        prober.sendall(_head("/health", method="GET"))
+        assert _replies(prober, 1) == [(200, {"status": "ok"})]
+        for sock, what in ((half_head, "the request head"), (half_body, "body of POST /open")):
+            [(status, body)] = _replies(sock, 1)
+            assert status == 408, body
+            message = body["error"]["message"]
+            assert f"{what} did not arrive within {TIMEOUT_S:g} s" in message, message
+            assert _closed(sock)
+        assert _closed(idle)
+        # A request to an open path does not authenticate: its connection is timed as any.
+        assert _closed(prober)
+        assert time.monotonic() - started < TIMEOUT_S + 2.0
+
+
+def test_past_the_limit_the_oldest_unauthenticated_connection_makes_room() -> None:
+    with _keyed_server(max_connections=3) as (address, _):
+        idle = [socket.create_connection(address) for _ in range(3)]
+        try:
+            with socket.create_connection(address) as newcomer:
+                newcomer.sendall(_head("/health", method="GET"))
+                assert _replies(newcomer, 1) == [(200, {"status": "ok"})]
+                assert _closed(idle[0], timeout_s=1.0)
+        finally:
+            for sock in idle:
+                sock.close()
+        # Three that sent the key keep their seats: a fourth connection is refused.
+        held = [socket.create_connection(address) for _ in range(3)]
+        try:
+            for sock in held:
+                sock.sendall(_request("/begin"))
+                assert _replies(sock, 1) == [(200, {"selector": None})]
+            with socket.create_connection(address) as refused:
+                [(status, body)] = _replies(refused, 1)
+                assert status == 503
+                assert "at most 3 open connections" in body["error"]["message"]
+                assert _closed(refused)
+        finally:
+            for sock in held:
+                sock.close()

@@ -192,7 +192,7 @@ def test_the_api_key_is_checked_before_the_body_is_read(urls, served) -> None:
     assert reply.json() == {
         "error": {
             "message": "this route needs 'Authorization: Bearer <api key>' (the server was "
-            "started with an API key)"
+            "started with an API key); send the header with the server's key"
         }
     }
 

@@ -93,3 +93,20 @@ def test_baseline_backend_follows_the_trainer_tensors():
     assert BroadcastConfig(backend="gloo").backend_for(torch.device("cuda", 0)) == "gloo"
     with pytest.raises(ValueError, match="backend must be one of"):
         BroadcastConfig(backend="mpi")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_connections": 0}, "max_connections must be a positive int"),
+        ({"unauthenticated_timeout_s": 0}, "unauthenticated_timeout_s must be a positive"),
+        ({"unauthenticated_timeout_s": float("inf")}, "unauthenticated_timeout_s must be"),
+    ],
+)
+def test_connection_limits_are_positive(fields, message):
+    from weightsync.server.connections import ConnectionLimits
+
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(model_path="m", **fields)
+    with pytest.raises(ValueError, match=message):
+        ConnectionLimits(**fields)

@@ -12,6 +12,8 @@ import typer
 from weightsync.server.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_BOOTSTRAP_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_UNAUTHENTICATED_TIMEOUT_S,
     ServeConfig,
 )
 from weightsync.server.lifetime import (
@@ -127,6 +129,22 @@ def serve(
             "every parameter's address); larger: 413."
         ),
     ] = DEFAULT_MAX_BOOTSTRAP_BODY_BYTES,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            help="Most open connections of each HTTP server; past it the oldest one that has "
+            "not sent the API key is closed to make room, else the new one gets 503."
+        ),
+    ] = DEFAULT_MAX_CONNECTIONS,
+    unauthenticated_timeout_s: Annotated[
+        float,
+        typer.Option(
+            metavar="<s>",
+            help="Seconds a connection that has not yet sent the API key has to send each "
+            "request head, then its body (408 and closed past it); authenticated "
+            "connections stay open 10 minutes between requests.",
+        ),
+    ] = DEFAULT_UNAUTHENTICATED_TIMEOUT_S,
     max_new_tokens_limit: Annotated[
         int | None,
         typer.Option(
@@ -184,6 +202,8 @@ def serve(
             extensions=SERVER_EXTENSIONS,
             max_body_bytes=max_body_bytes,
             max_bootstrap_body_bytes=max_bootstrap_body_bytes,
+            max_connections=max_connections,
+            unauthenticated_timeout_s=unauthenticated_timeout_s,
             max_new_tokens_limit=max_new_tokens_limit,
             fused_lifecycle=fused_lifecycle,
             event_loop=loop,

@@ -17,6 +17,7 @@ from weightsync.control.models import (
     WeightsInfo,
 )
 from weightsync.server.config import DEFAULT_MAX_BOOTSTRAP_BODY_BYTES
+from weightsync.server.gate import require_key_before_body
 from weightsync.server.http import (
     ERROR_RESPONSES,
     bearer_auth,
@@ -72,9 +73,9 @@ def create_bootstrap_app(
     Errors follow SGLang's bootstrap server: ``{"detail": ...}`` with 400 for a negative
     rank and 404 for a rank that has not registered. With `api_key`, every route but
     ``/health`` needs ``Authorization: Bearer <api_key>`` (401 ``{"error": {"message"}}``
-    otherwise): the ``PUT`` routes change what trainers write to, and the ``GET`` routes
-    reveal every parameter's address and the ranks' transfer-engine sessions. Bodies over
-    `max_body_bytes` are answered 413.
+    otherwise, judged before a body is read): the ``PUT`` routes change what trainers write
+    to, and the ``GET`` routes reveal every parameter's address and the ranks'
+    transfer-engine sessions. Bodies over `max_body_bytes` are answered 413.
     """
     app = FastAPI(
         title="weightsync engine-info bootstrap server",
@@ -82,6 +83,9 @@ def create_bootstrap_app(
         description="Per-rank transfer-engine info and parallelism config of one replica.",
     )
     install_error_handler(app)
+    # Judged from the head, inside the body limit (a declared body over it is answered 413
+    # first), before any route reads a body.
+    require_key_before_body(app, api_key, open_paths=("/health",))
     limit_body_size(app, max_body_bytes, setting="weightsync serve --max-bootstrap-body-bytes")
     authorized = [Depends(bearer_auth(api_key))]
 

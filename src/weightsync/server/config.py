@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,6 +21,13 @@ MIB = 1 << 20
 # parameter tables (~100 bytes of JSON per parameter), so it allows far more.
 DEFAULT_MAX_BODY_BYTES = 16 * MIB
 DEFAULT_MAX_BOOTSTRAP_BODY_BYTES = 256 * MIB
+# Each HTTP server's open connections: a trainer holds a few, a rollout client one per
+# request in flight. Both servers full stay under the 1024 open files many systems allow a
+# process by default.
+DEFAULT_MAX_CONNECTIONS = 256
+# A client sends a request head in one write: seconds are plenty, and bound what a caller
+# without the key can hold.
+DEFAULT_UNAUTHENTICATED_TIMEOUT_S = 5.0
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
@@ -66,6 +74,14 @@ class ServeConfig:
             answered 413.
         max_bootstrap_body_bytes: the same for the bootstrap server, whose registrations
             carry every parameter's address.
+        max_connections: the most connections each HTTP server holds open at once
+            (`weightsync.server.connections.ConnectionLimits`): past it, the oldest
+            connection that has not sent an authenticated request makes room, or the new one
+            is answered 503.
+        unauthenticated_timeout_s: how long a connection that has not yet sent a request
+            with the API key may take to send each request head, and its body; past it:
+            408 and the connection closed. Authenticated connections stay open ten minutes
+            between requests.
         max_new_tokens_limit: the most tokens one ``/generate`` may ask for; ``None``: the
             model's context length (``max_position_embeddings``), which also bounds prompt
             plus new tokens.
@@ -100,6 +116,8 @@ class ServeConfig:
     extensions: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_bootstrap_body_bytes: int = DEFAULT_MAX_BOOTSTRAP_BODY_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    unauthenticated_timeout_s: float = DEFAULT_UNAUTHENTICATED_TIMEOUT_S
     max_new_tokens_limit: int | None = None
     fused_lifecycle: bool = True
     event_loop: str = "auto"
@@ -113,6 +131,7 @@ class ServeConfig:
             "num_threads",
             "max_body_bytes",
             "max_bootstrap_body_bytes",
+            "max_connections",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -167,6 +186,16 @@ class ServeConfig:
             raise ValueError(
                 "max_new_tokens_limit must be a positive int (or None for the model's context "
                 f"length), got {self.max_new_tokens_limit!r}"
+            )
+        timeout = self.unauthenticated_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(
+                f"unauthenticated_timeout_s must be a positive number of seconds, got {timeout!r}"
             )
         if self.collective_timeout_s <= 0:
             raise ValueError(

@@ -10,6 +10,7 @@ app's whole middleware stack (`DirectApp`), and to `DirectHttpProtocol`, which a
 straight from a connection's bytes.
 """
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,11 +24,12 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from weightsync.server.gate import HeadGate
 from weightsync.server.http import (
+    PARSE_INLINE_BYTES,
     BodySizeLimit,
     ControlError,
     InternalErrorGuard,
-    check_api_key,
     control_error_response,
     internal_error_response,
     is_json,
@@ -90,13 +92,18 @@ class DirectRoutes:
             route.path: TypeAdapter(route.body if route.body_required else route.body | None)
             for route in routes
         }
-        self._api_key = api_key
+        self._gate = HeadGate(api_key=api_key, max_body_bytes=max_body_bytes, setting=setting)
         self._guarded: ASGIApp = InternalErrorGuard(self._serve)
         self._limit: BodySizeLimit | None = None
         if max_body_bytes is not None:
             self._guarded = self._limit = BodySizeLimit(
                 self._guarded, max_body_bytes=max_body_bytes, setting=setting
             )
+
+    @property
+    def api_key(self) -> str | None:
+        """The key every direct route requires (None: no key)."""
+        return self._gate.api_key
 
     def serves(self, method: str, path: str) -> bool:
         """Whether a `method` request to `path` is a direct route's."""
@@ -107,22 +114,23 @@ class DirectRoutes:
     ) -> Response | None:
         """The reply that refuses a request to `path` from its head alone (413 for a
         declared body over the limit, 401 for the API key), or None to read its body."""
-        if self._limit is not None:
-            oversized = self._limit.declared_refusal(f"POST {path}", content_length)
-            if oversized is not None:
-                return oversized
-        try:
-            check_api_key(authorization, self._api_key)
-        except ControlError as exc:
-            return control_error_response(exc, f"POST {path}")
-        return None
+        return self._gate.refusal(
+            "POST", path, authorization=authorization, content_length=content_length
+        )
 
     async def answer(self, path: str, body: bytes, content_type: str | None) -> Response:
         """The reply to an authorised request to `path` whose whole body is `body`; an
-        exception the handler did not answer is logged and answered 500."""
+        exception the handler did not answer is logged and answered 500. A body over
+        `PARSE_INLINE_BYTES` is parsed and validated in a worker thread, so that the event
+        loop keeps answering meanwhile."""
         route = self._routes[path]
         try:
-            value = self._validate(route, body, content_type)
+            if len(body) > PARSE_INLINE_BYTES:
+                value = await asyncio.to_thread(
+                    self._validate, route, body, content_type, interruptible=True
+                )
+            else:
+                value = self._validate(route, body, content_type)
             return await route.handle(value)
         except ControlError as exc:
             return control_error_response(exc, f"POST {path}")
@@ -156,10 +164,17 @@ class DirectRoutes:
             response = await self.answer(path, body, headers.get("content-type"))
         await response(scope, receive, send)
 
-    def _validate(self, route: DirectRoute, body: bytes, content_type: str | None) -> Any:
+    def _validate(
+        self,
+        route: DirectRoute,
+        body: bytes,
+        content_type: str | None,
+        *,
+        interruptible: bool = False,
+    ) -> Any:
         """The body as the route's model, parsed as the framework parses it: JSON only under
         a JSON content type (anything else, or no content type, is validated as bytes and
-        refused); an empty body is missing."""
+        refused); an empty body is missing. `interruptible`: as `loads_finite`'s."""
         if not body:
             if route.body_required:
                 raise RequestValidationError(
@@ -169,7 +184,7 @@ class DirectRoutes:
         value: Any = body
         if is_json(content_type):
             try:
-                value = loads_finite(body)
+                value = loads_finite(body, interruptible=interruptible)
             except json.JSONDecodeError as exc:
                 raise RequestValidationError(
                     [
@@ -231,14 +246,13 @@ class DirectApp(FastAPI):
             return None
         if self._direct_routes is None:
             routes, api_key = self._direct
-            limits = [m.kwargs for m in self.user_middleware if m.cls is BodySizeLimit]
-            limit = min(limits, key=lambda kwargs: kwargs["max_body_bytes"], default=None)
+            gate = HeadGate.of_app(self)
             self._direct_routes = DirectRoutes(
                 None,
                 routes=routes,
                 api_key=api_key,
-                max_body_bytes=None if limit is None else limit["max_body_bytes"],
-                setting="" if limit is None else limit["setting"],
+                max_body_bytes=gate.max_body_bytes,
+                setting=gate.setting,
             )
         return self._direct_routes
 

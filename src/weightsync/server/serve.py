@@ -23,7 +23,6 @@ import socket
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import psutil
 import torch
@@ -37,8 +36,8 @@ from weightsync.cuda_events import IpcEvents
 from weightsync.server.app import create_main_app
 from weightsync.server.bootstrap import BootstrapRegistry, create_bootstrap_app
 from weightsync.server.config import ServeConfig
+from weightsync.server.connections import ConnectionLimits
 from weightsync.server.controller import ReplicaController
-from weightsync.server.direct import DirectApp
 from weightsync.server.direct_protocol import direct_protocol
 from weightsync.server.extensions import load_extensions
 from weightsync.server.http import limit_body_size
@@ -141,7 +140,8 @@ class _Replica:
                 registry,
                 api_key=self.config.api_key,
                 max_body_bytes=self.config.max_bootstrap_body_bytes,
-            )
+            ),
+            _connection_limits(self.config),
         )
         boot_task = asyncio.create_task(boot_server.serve(sockets=[self.boot_sock]))
         logger.info("bootstrap server on %s", bootstrap_url)
@@ -194,7 +194,7 @@ class _Replica:
             limit_body_size(
                 app, self.config.max_body_bytes, setting="weightsync serve --max-body-bytes"
             )
-            main_server = _server(app)
+            main_server = _server(app, _connection_limits(self.config))
             self.main_sock.listen(128)
             main_task = asyncio.create_task(main_server.serve(sockets=[self.main_sock]))
             self._announce()
@@ -257,15 +257,22 @@ class _Replica:
             os.replace(tmp, path)
 
 
-def _server(app: FastAPI) -> _Server:
-    extra: dict[str, Any] = {}
-    if isinstance(app, DirectApp) and app.direct_routes is not None:
-        # The fused lifecycle calls are answered from the connection's bytes.
-        extra["http"] = direct_protocol(app)
+def _connection_limits(config: ServeConfig) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections=config.max_connections,
+        unauthenticated_timeout_s=config.unauthenticated_timeout_s,
+        max_connections_setting="weightsync serve --max-connections",
+        timeout_setting="weightsync serve --unauthenticated-timeout-s",
+    )
+
+
+def _server(app: FastAPI, limits: ConnectionLimits) -> _Server:
     return _Server(
         uvicorn.Config(
             app,
-            **extra,
+            # Every request is judged from its head before its body is read, within the
+            # connection limits; the fused lifecycle calls are answered from the bytes.
+            http=direct_protocol(app, limits=limits),
             # Clients connect directly; a forwarded-for header must not rename them.
             proxy_headers=False,
             log_config=None,
