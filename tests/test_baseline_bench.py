@@ -65,10 +65,10 @@ def test_quick_bench_prints_a_table_and_one_json_line(tmp_path):
 
 def test_p2p_over_mooncake_tcp_is_faster_than_the_broadcast_baseline_in_the_same_run(tmp_path):
     # Rows of down_proj at tp2 are 8 KiB: long enough that a sender writing every row of a
-    # row-parallel slice as a write of its own (32,000 writes a sync) is slower than the
-    # baseline, as SenderConfig(direct="always") is here. The default stages them.
+    # row-parallel slice as a write of its own (16,000 writes a sync) is slower than the
+    # baseline, as SenderConfig(direct="always") is here (0.4x). The default stages them.
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
-    workload = ("--preset", "dense-256m", "--intermediate", "8192", "--layers", "4")
+    workload = ("--preset", "dense-256m", "--intermediate", "8192", "--layers", "2")
     done = subprocess.run(
         [
             *(sys.executable, str(BENCH), *workload, "--vocab", "8000", "--repeats", "3"),
