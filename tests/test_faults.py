@@ -390,6 +390,9 @@ def test_versions_are_monotonic_across_managers_and_a_served_label_is_refused(re
         first = int(sync.sync(ModelExport(random_model(TINY, seed=13))).version)
     with ws.TrainerSync(sync_config(), hf_config=TINY, replicas=[replica]) as sync:
         assert int(sync.sync(ModelExport(random_model(TINY, seed=14))).version) == first + 1
+        with pytest.raises(ValueError, match="never reused"):
+            sync.sync(ModelExport(random_model(TINY, seed=15)), version=str(first + 1))
+    with ws.TrainerSync(sync_config(), hf_config=TINY, replicas=[replica]) as sync:
         clock = Stopwatch()
         with pytest.raises(ValueError, match="already names the weights"):
             sync.sync(ModelExport(random_model(TINY, seed=15)), version=str(first + 1))

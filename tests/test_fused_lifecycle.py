@@ -56,13 +56,12 @@ def _state(http: httpx.Client) -> dict:
 
 
 def _complete_update(http: httpx.Client, version: str) -> dict:
-    """A fused begin and a labelled end (a complete update): the replica serves again.
-    Returns the begin's reply."""
+    """A fused begin and a labelled end (a complete update, unverified: this client computed
+    no digests and says so): the replica serves again. Returns the begin's reply."""
     begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
     assert begun["success"], begun
-    ended = http.post(
-        "/end_weight_sync", json={"new_version": version, "session_token": begun["session_token"]}
-    )
+    end = {"new_version": version, "session_token": begun["session_token"], "unverified": True}
+    ended = http.post("/end_weight_sync", json=end)
     assert ended.status_code == 200 and not _state(http)["paused"]
     return begun
 
@@ -98,10 +97,22 @@ def test_fused_calls_run_each_step_and_answer_a_refusal_as_the_step_would(replic
         assert ended.json()["completed"] == END[:1]
         assert _state(http)["paused"]
 
+        # A labelled end of a leased session with neither digests nor `unverified`: nothing
+        # checked what arrived, so it is not complete; the replica stays paused.
+        begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
+        assert begun["instance"] == info["weightsync"]["instance"]
+        assert begun["weight_version"] == "5"
+        ended = http.post(
+            "/end_weight_sync", json={"new_version": "6", "session_token": begun["session_token"]}
+        )
+        assert ended.status_code == 400 and "without digests" in ended.json()["message"]
+        assert _state(http)["paused"]
+
         # A complete round: every step runs, and the replica serves again.
         begun = http.post("/begin_weight_sync", json={"lease_s": 30.0}).json()
         ended = http.post(
-            "/end_weight_sync", json={"new_version": "6", "session_token": begun["session_token"]}
+            "/end_weight_sync",
+            json={"new_version": "6", "session_token": begun["session_token"], "unverified": True},
         )
         assert ended.status_code == 200 and ended.json()["completed"] == END
         state = _state(http)

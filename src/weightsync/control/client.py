@@ -200,6 +200,7 @@ class RolloutClient(AsyncHttpClient):
         *,
         session_token: str | None = None,
         digests: dict[int, dict[str, int]] | None = None,
+        unverified: bool = False,
         timeout_s: float | None = None,
     ) -> SuccessResponse:
         """``POST /end_weight_update``: close the session after the bytes arrived.
@@ -208,13 +209,19 @@ class RolloutClient(AsyncHttpClient):
             session_token: a leased session's token.
             digests: per tp rank, ``{param_name: digest}`` of what the trainers wrote
                 (servers with capability ``weight_update_digest`` verify them).
+            unverified: the trainers computed no digests: a labelled leased session then
+                ends complete but unverified (`EndWeightUpdateRequest`).
             timeout_s: this call's timeout.
 
         Raises:
             RemoteReplicaError: no session is open, or the digests do not match what arrived
                 (the message names the parameters).
         """
-        body = _without_none(EndWeightUpdateRequest(session_token=session_token, digests=digests))
+        body = _without_none(
+            EndWeightUpdateRequest(
+                session_token=session_token, digests=digests, unverified=unverified or None
+            )
+        )
         return await self._success("/end_weight_update", body, timeout_s)
 
     async def update_weight_version(
@@ -281,6 +288,7 @@ class RolloutClient(AsyncHttpClient):
         new_version: str | None,
         session_token: str | None = None,
         digests: dict[int, dict[str, int]] | None = None,
+        unverified: bool = False,
         resume: bool = True,
         resume_kv_cache: bool = True,
         after_events: list[str] | None = None,
@@ -291,8 +299,9 @@ class RolloutClient(AsyncHttpClient):
     ) -> WeightSyncStepResponse:
         """``POST /end_weight_sync`` (servers with capability ``weight_sync_fused``):
         `update_weight_version` (unless `new_version` is None), `end_weight_update` with
-        `digests`, then with `resume`: `resume_memory_occupation` of the KV cache (with
-        `resume_kv_cache`), `flush_cache` and `continue_generation`, in one call.
+        `digests` (or `unverified`, as `end_weight_update`), then with `resume`:
+        `resume_memory_occupation` of the KV cache (with `resume_kv_cache`), `flush_cache`
+        and `continue_generation`, in one call.
         `after_events` (capability ``weight_sync_events``): IPC handles (hex) of the CUDA
         events the trainers' copies complete at, which the end waits for first.
         `poll_s`: poll for the reply for up to this long, from when `poll_after` is done
@@ -307,6 +316,7 @@ class RolloutClient(AsyncHttpClient):
             new_version=new_version,
             session_token=session_token,
             digests=digests,
+            unverified=unverified or None,
             resume=resume,
             resume_kv_cache=resume_kv_cache,
             after_events=after_events,

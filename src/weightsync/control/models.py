@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 Selector = Literal["target", "draft", "all"]
@@ -70,13 +78,19 @@ class BeginWeightUpdateRequest(_Request):
 
 class BeginWeightUpdateResponse(_Response):
     """``POST /begin_weight_update``'s reply; a leased session adds its token and lease, and
-    the reference server lists the parameters that changed outside any session."""
+    the reference server lists the parameters that changed outside any session and says
+    what it holds as the session begins: ``weight_version`` (its label),
+    ``highest_numeric_version`` (the largest numeric label its process has held) and
+    ``instance`` (its process's identity, new at every start)."""
 
     success: bool
     message: str = ""
     session_token: str | None = None
     lease_s: float | None = None
     changed_outside: list[str] = Field(default_factory=list)
+    weight_version: str | None = None
+    highest_numeric_version: int | None = None
+    instance: str | None = None
 
 
 class RenewWeightUpdateRequest(_Request):
@@ -89,13 +103,16 @@ class RenewWeightUpdateRequest(_Request):
 class EndWeightUpdateRequest(_Request):
     """``POST /end_weight_update`` (an empty object for SGLang).
 
-    The reference server's extensions: ``session_token`` (a leased session's), and
+    The reference server's extensions: ``session_token`` (a leased session's),
     ``digests`` (capability ``weight_update_digest``): per tp rank (a decimal string),
-    ``{param_name: digest}`` of what the trainers wrote, verified against what arrived.
+    ``{param_name: digest}`` of what the trainers wrote, verified against what arrived, and
+    ``unverified``: the trainers computed no digests (a labelled leased session is complete
+    without digests only with it, and its weights serve as unverified).
     """
 
     session_token: str | None = None
     digests: dict[int, dict[str, int]] | None = None
+    unverified: bool | None = None
 
 
 class BeginWeightSyncRequest(_Request):
@@ -129,7 +146,8 @@ class EndWeightSyncRequest(_Request):
     ``update_weight_version``, ``end_weight_update``, ``resume_memory_occupation``,
     ``flush_cache`` and ``continue_generation`` take, in one call run in that order.
 
-    ``new_version=None`` keeps the label; ``resume=False`` stops after the session ends (a
+    ``new_version=None`` keeps the label; ``digests`` and ``unverified`` as in
+    `EndWeightUpdateRequest`; ``resume=False`` stops after the session ends (a
     caller that resumes generation itself); ``resume_kv_cache`` takes back the KV cache that
     the fused begin released; ``budget_s`` as in `BeginWeightSyncRequest`. ``after_events``
     (capability ``weight_sync_events``): the IPC handles, in hex, of CUDA events on the
@@ -140,6 +158,7 @@ class EndWeightSyncRequest(_Request):
     new_version: str | None = None
     session_token: str | None = None
     digests: dict[int, dict[str, int]] | None = None
+    unverified: bool | None = None
     after_events: list[IpcEventHandle] | None = Field(default=None, max_length=64)
     resume: bool = True
     resume_kv_cache: bool = True
@@ -165,16 +184,38 @@ class WeightsCheckerRequest(_Request):
     skip_tensor_list: list[str] = Field(default_factory=list)
 
 
+MIN_TEMPERATURE = 1e-5
+"""The lowest sampling temperature above 0 (greedy). Below it sampling is greedy in all but
+name (vLLM treats such temperatures as greedy), and the engine divides its float32 logits
+by the temperature, in which a subnormal one such as 1e-320 is zero."""
+MAX_TEMPERATURE = 100.0
+"""The highest sampling temperature: above it, logits spread over 50 (a language model's)
+differ by under a factor e^0.5 after scaling, which is sampling noise, so a larger value is
+taken for a mistake."""
+
+
 class SamplingParams(_Request):
     """The sampling parameters the reference server honours.
 
     Counts and seeds are JSON integers (not ``1.0``, ``"16"`` or ``true``) and floats are
-    finite; the server also bounds ``max_new_tokens`` by the model's context length.
+    finite; ``temperature`` is 0 (greedy) or in [`MIN_TEMPERATURE`, `MAX_TEMPERATURE`]; the
+    server also bounds ``max_new_tokens`` by the model's context length. A field the engine
+    does not honour (``top_p``, ...) is ignored, as every unknown field.
     """
 
     max_new_tokens: int = Field(default=16, ge=1, strict=True)
-    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     sampling_seed: int | None = Field(default=None, ge=0, lt=2**63, strict=True)
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampling(cls, temperature: float) -> float:
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+                f"(sampling), got {temperature!r}"
+            )
+        return temperature
 
 
 class GenerateRequest(_Request):

@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from weightsync.control import RolloutClient
+from weightsync.control.labels import check_label, numeric_label
+from weightsync.control.models import BeginWeightUpdateResponse
 from weightsync.control.protocol import (
     PARALLELISM_CONFIG,
     WEIGHT_SYNC_EVENTS,
@@ -29,12 +31,14 @@ from weightsync.errors import (
     PartialPushError,
     PartialSyncError,
     RemoteReplicaError,
+    TensorChangedError,
     WeightsRefusedError,
     WeightSyncError,
 )
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.manager.config import ControlConfig
 from weightsync.manager.report import PhaseTimes, PushSummary, SyncReport
+from weightsync.manager.versions import HeldLabel, next_label
 from weightsync.plan import TargetRank
 
 logger = logging.getLogger(__name__)
@@ -95,9 +99,18 @@ class SyncManager:
     write to one failed, or its verification) leaves only those paused: the others are
     finished, verified and resumed, and `PartialSyncError` reports both.
 
-    Versions are monotonic across managers and restarts: the default next version is one
-    more than the largest numeric version any replica serves, and a version a replica
-    already serves is refused, so one label never names two weight sets.
+    Labels are read from the replicas at every begin (`weightsync.manager.versions`): the
+    default next version is one more than the largest numeric version any replica holds or
+    has held (and than any this manager gave); a label a replica holds, one this manager
+    gave before, or a numeric one not above what a replica holds (unless ``rollback``) is
+    refused before any write, so one label never names two weight sets.
+
+    A replica is a URL and a process: the reference server's begin says which process
+    (``instance``), and a new one behind a known URL (a restart) gets its metadata fetched
+    again and a new plan epoch, so nothing planned for the old process is used for it.
+
+    Membership changes (`add_replica`, `remove_replica`) asked while an update runs (a task
+    on its loop) apply as it ends, to the next one.
 
     One `SyncManager` lives on the process that drives the control plane (a driver, or trainer
     rank 0); it is not thread-safe, and its coroutines must run on one event loop.
@@ -111,7 +124,7 @@ class SyncManager:
         self._clients: dict[str, RolloutClient] = {}
         self._ranks: dict[str, tuple[TargetRank, ...]] = {}  # metadata, by replica
         self._epoch = 0
-        self._epochs: dict[tuple[int, frozenset[str]], int] = {}
+        self._epochs: dict[tuple[int, frozenset[tuple[str, str | None]]], int] = {}
         self._version = 0
         self._checked = False
         self._armed: set[str] = set()
@@ -129,6 +142,15 @@ class SyncManager:
         self._fence = False  # this update asks replicas that can for a fenced begin
         self._fences: dict[str, tuple[str, ...]] = {}  # the fenced begins' events, by URL
         self._membership = 0  # counts membership changes
+        self._instances: dict[str, str] = {}  # each replica's process, where it says
+        self._held: dict[str, HeldLabel] = {}  # what each replica held at its last begin
+        # Per update: what the begins' replies said, and the replicas found restarted.
+        self._begun: dict[str, HeldLabel] = {}
+        self._renewed: set[str] = set()
+        self._given: set[str] = set()  # the labels this manager gave
+        self._running: asyncio.Future[None] | None = None  # the update under way
+        # Membership changes asked while it runs: applied as it ends.
+        self._pending: list[tuple[Callable[[str], Any], str, asyncio.Future[None]]] = []
         for url in replicas:
             self._add(url)
 
@@ -164,12 +186,41 @@ class SyncManager:
         return self._epoch
 
     async def add_replica(self, url: str) -> None:
-        """Add a replica (scale up); the next update fetches metadata again.
+        """Add a replica (scale up); the next update fetches metadata again. Asked while an
+        update runs, it applies as that update ends (and returns then).
 
         Raises:
             ValueError: the replica is already managed.
         """
-        self._add(url)
+        if self._updating():
+            await self._after_update(self._add, url.rstrip("/"))
+        else:
+            self._add(url)
+
+    def _updating(self) -> bool:
+        return self._running is not None and not self._running.done()
+
+    async def _after_update(self, change: Callable[[str], Any], url: str) -> None:
+        """Queue a membership change for the end of the update under way (it runs there,
+        before the update returns) and wait for it."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((change, url, done))
+        await done
+
+    async def _apply_pending(self) -> None:
+        """Run the membership changes asked during the update that just ended."""
+        pending, self._pending = self._pending, []
+        for change, url, done in pending:
+            try:
+                result = change(url)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as exc:
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(None)
 
     def _add(self, url: str) -> None:
         url = url.rstrip("/")
@@ -182,12 +233,22 @@ class SyncManager:
         self._membership_changed()
 
     async def remove_replica(self, url: str) -> None:
-        """Stop managing a replica (scale down); it is no longer contacted.
+        """Stop managing a replica (scale down); it is no longer contacted. Asked while an
+        update runs, it applies as that update ends (and returns then): the update finishes
+        with the replica (its session, lease and label), and the next one runs without it.
 
         Raises:
             ValueError: the replica is not managed.
         """
         url = url.rstrip("/")
+        if self._updating():
+            if url not in self._clients:
+                raise ValueError(f"replica {url} is not managed; managed: {self._replicas}")
+            await self._after_update(self._remove, url)
+        else:
+            await self._remove(url)
+
+    async def _remove(self, url: str) -> None:
         client = self._clients.pop(url, None)
         if client is None:
             raise ValueError(f"replica {url} is not managed; managed: {self._replicas}")
@@ -200,6 +261,8 @@ class SyncManager:
             self._served,
             self._unhealthy,
             self._ranks,
+            self._instances,
+            self._held,
         ):
             table.pop(url, None)
         self._membership_changed()
@@ -244,25 +307,34 @@ class SyncManager:
         return self._protocols.get(url)
 
     async def update_weights(
-        self, push: PushFn, *, version: str | None = None, fence: bool = False
+        self,
+        push: PushFn,
+        *,
+        version: str | None = None,
+        fence: bool = False,
+        rollback: bool = False,
     ) -> SyncReport:
         """Run one update through every replica; see the class docstring for the order.
 
         Args:
             push: writes the weights into the targets it is given and returns what it wrote.
             version: the new weight version; default: one more than the largest numeric
-                version a replica serves (or than this manager's last).
+                version a replica holds or has held (or than this manager's last).
             fence: begin with a fence where a replica takes one (``weight_sync_fence``):
                 its begin digest is not waited for, and `push` must make every write into
                 a rank follow the event it is given for that rank (`WeightSender.push`'s
                 ``fences`` do). Only for pushes written from this host over CUDA IPC.
+            rollback: `version` may be a number at or below what a replica holds (the
+                caller labels weights older than those, e.g. by a training step it resumes).
 
         Returns:
             What the update did, with seconds per phase, the replicas that verified it and
             those it dropped.
 
         Raises:
-            ValueError: no replica is managed, or `version` is one a replica serves.
+            ValueError: no replica is managed, or `version` is refused (one a replica
+                holds, one this manager gave, or a number not above what a replica holds
+                without `rollback`): the replicas serve their previous weights.
             RemoteReplicaError: every replica failed before any write (the first failure is
                 named; all of them serve their previous weights), or a call failed after
                 writing began.
@@ -274,12 +346,29 @@ class SyncManager:
         """
         if not self._replicas:
             raise ValueError("no rollout replica to update: add one with add_replica(url)")
+        if self._updating():
+            raise ValueError("an update is already running on this manager; await it first")
+        running = self._running = asyncio.get_running_loop().create_future()
+        try:
+            return await self._update_weights(push, version, fence, rollback)
+        finally:
+            running.set_result(None)
+            await self._apply_pending()
+
+    async def _update_weights(
+        self, push: PushFn, version: str | None, fence: bool, rollback: bool
+    ) -> SyncReport:
+        """`update_weights`, while no membership change may run."""
         t0 = time.perf_counter()
         dropped: dict[str, str] = {}
         self._released, self._paused, self._sessions = set(), set(), {}
         self._fence, self._fences = fence, {}
+        self._begun, self._renewed = {}, set()
+        if version is not None:
+            check_label(version)
         live = await self._first_contact(tuple(self._replicas), dropped)
-        new_version = self._next_version(version, live)
+        # What the replicas were last seen to hold: refuse a bad label before pausing any.
+        self._label(version, live, rollback)
         # Renewing from the start: a fused begin opens sessions while others' calls may still
         # run out their deadlines (and the failed ones are resumed), longer than a lease. A
         # timer starts the renewals a third of a lease in: most syncs end long before.
@@ -291,6 +380,13 @@ class SyncManager:
         )
         try:
             live = await self._open(live, dropped)
+            live = await self._read_begins(live, dropped)
+            try:
+                new_version = self._label(version, live, rollback)
+            except ValueError:
+                await self._abandon(live, resume=not (self._dirty & set(live)))
+                raise
+            self._given.add(new_version)
             return await self._update(push, live, new_version, dropped, t0)
         finally:
             timer.cancel()
@@ -353,7 +449,11 @@ class SyncManager:
             for target in targets:
                 if target.session_id in exc.failed:
                     failed.setdefault(target.replica, exc.failed[target.session_id])
-            if set(failed) >= set(live) or not isinstance(exc.result, PushSummary):
+            # A failure this update cannot place (a session of none of its targets) may be
+            # any replica's: none of them is known to have received everything.
+            known = {t.session_id for t in targets}
+            unplaced = [s for s in exc.failed if s not in known]
+            if unplaced or set(failed) >= set(live) or not isinstance(exc.result, PushSummary):
                 self._dirty.update(live)
                 await self._abandon(live, resume=False)
                 exc.add_note(_stay_paused(live))
@@ -387,6 +487,8 @@ class SyncManager:
         finally:
             if overlap:
                 t_pushed = min(await _landing(summary), time.perf_counter())
+        if overlap:
+            await self._refuse_changed_while_landing(summary, live)
         verified += verified_fused
         unfinished |= unfinished_fused
         failed.update(unfinished)
@@ -399,10 +501,15 @@ class SyncManager:
             self._checked = True
             self._armed.clear()
         self._dirty.difference_update(live)
+        number = numeric_label(new_version)
         for url in live:
             self._served[url] = new_version
-        if new_version.isdigit():
-            self._version = max(self._version, int(new_version))
+            highest = self._held[url].highest if url in self._held else None
+            if number is not None:
+                highest = max(number, highest or 0)
+            self._held[url] = HeldLabel(label=new_version, highest=highest)
+        if number is not None:
+            self._version = max(self._version, number)
         t_final = time.perf_counter()
 
         await self._resume(tuple(u for u in live if u not in fused))
@@ -436,11 +543,12 @@ class SyncManager:
             error.add_note(_stay_paused(tuple(failed)))
             error.add_note(f"replicas {', '.join(live)} were updated and serve it")
             raise error
+        unverified = len(live) - len(verified)
         logger.info(
             "weight version %s on %d replica(s)%s: %.3f GB in %.3f s (push %.3f s, %.2f GB/s)",
             new_version,
             len(live),
-            f" ({len(verified)} verified)" if verified else "",
+            f" ({len(verified)} verified, {unverified} unverified)",
             summary.bytes_written / 1e9,
             report.seconds,
             report.phases.push,
@@ -448,21 +556,74 @@ class SyncManager:
         )
         return report
 
-    def _next_version(self, version: str | None, live: Sequence[str]) -> str:
-        """The label of the update: `version`, unless a replica serves it already, or one
-        more than the largest numeric version served (or labelled by this manager)."""
-        served = {url: self._served.get(url) for url in live}
-        if version is not None:
-            holders = [url for url, v in served.items() if v == version]
-            if holders:
-                raise ValueError(
-                    f"weight version {version!r} already names the weights replica "
-                    f"{holders[0]} serves: one label must never name two weight sets; pass "
-                    "a new version, or version=None for the next number"
-                )
-            return version
-        numbers = [int(v) for v in served.values() if v is not None and v.isdigit()]
-        return str(max([self._version, *numbers]) + 1)
+    def _label(self, version: str | None, live: Sequence[str], rollback: bool) -> str:
+        """The label of the update from what the replicas in `live` hold (`next_label`)."""
+        held = {url: self._held.get(url, HeldLabel(label=self._served.get(url))) for url in live}
+        return next_label(
+            version,
+            held,
+            given=self._given,
+            given_highest=self._version,
+            rollback=rollback,
+        )
+
+    async def _read_begins(self, live: tuple[str, ...], dropped: dict[str, str]) -> tuple[str, ...]:
+        """What each replica holds as its session began (its begin's reply, or ``/model_info``
+        where the reply does not say, as SGLang's), and whether it is still the process this
+        manager knew: a new one (a restart) has its server info and metadata fetched again.
+        A replica that cannot say is dropped (and resumed) before any write."""
+        timeout = self._config.lifecycle_timeout_s
+        silent = [u for u in live if u not in self._begun]
+        models = await self._call_all(silent, "get_model_info", timeout_s=timeout)
+        for url, model in models.items():
+            if not isinstance(model, BaseException):
+                version = model.get("weight_version")
+                self._begun[url] = HeldLabel(label=str(version) if version is not None else None)
+        renewed = [u for u in live if u in self._renewed]
+        if renewed:
+            infos = await self._call_all(renewed, "get_server_info", timeout_s=timeout)
+            for url, info in infos.items():
+                reason = None if isinstance(info, BaseException) else refusal(info)
+                if reason is not None:
+                    infos[url] = RemoteReplicaError(
+                        f"replica {url} restarted and cannot take point-to-point updates: {reason}",
+                        replica=url,
+                        route="/server_info",
+                    )
+                elif not isinstance(info, BaseException):
+                    self._server_infos[url] = info
+                    self._protocols[url] = ReplicaProtocol.from_server_info(info)
+            models.update(infos)
+        live = await self._drop_failed(live, models, dropped, "reading what it holds")
+        if not live:
+            self._raise_all_dropped(dropped, stage="begin")
+        for url in live:
+            self._held[url] = self._begun[url]
+            self._served[url] = self._begun[url].label
+        return live
+
+    def _note_begin(self, url: str, reply: BeginWeightUpdateResponse) -> None:
+        """Keep what a begin's reply says the replica holds, and notice a new process behind
+        `url` (its metadata is void: fetched again before the push)."""
+        if reply.instance is None and reply.weight_version is None:
+            return  # a server that does not say (SGLang): /model_info tells the label
+        self._begun[url] = HeldLabel(
+            label=reply.weight_version, highest=reply.highest_numeric_version
+        )
+        if reply.instance is None:
+            return
+        known = self._instances.get(url)
+        if known is not None and known != reply.instance:
+            logger.warning(
+                "replica %s is a new process (instance %s, was %s): it restarted since the "
+                "last update; its metadata is fetched again and it takes a full write",
+                url,
+                reply.instance,
+                known,
+            )
+            self._ranks.pop(url, None)
+            self._renewed.add(url)
+        self._instances[url] = reply.instance
 
     async def _first_contact(
         self, replicas: Sequence[str], dropped: dict[str, str]
@@ -494,6 +655,9 @@ class SyncManager:
                 self._protocols[url] = protocol
                 version = model.get("weight_version")
                 self._served[url] = str(version) if version is not None else None
+                instance = (info.get("weightsync") or {}).get("instance")
+                if isinstance(instance, str):
+                    self._instances[url] = instance
                 self._warn_unenforced(url, protocol)
         live = tuple(u for u in replicas if u not in dropped)
         if not live:
@@ -578,6 +742,7 @@ class SyncManager:
                 self._released.add(url)
             # Held from now, not once every replica answered: the renewals start at once.
             self._sessions[url] = reply.session_token
+            self._note_begin(url, reply)
             self._log_changed_outside(url, reply.changed_outside)
             if reply.fences:
                 self._fences[url] = tuple(reply.fences)
@@ -630,6 +795,7 @@ class SyncManager:
                 lease_s=cfg.lease_s if leased else None,
                 timeout_s=cfg.lifecycle_timeout_s,
             )
+            self._note_begin(url, reply)
             self._log_changed_outside(url, reply.changed_outside)
             return reply.session_token
 
@@ -664,7 +830,8 @@ class SyncManager:
         live = await self._drop_failed(live, fetched, dropped, "metadata")
         if not live:
             self._raise_all_dropped(dropped, stage="metadata")
-        key = (self._membership, frozenset(live))
+        # Keyed by process too: a replica restarted behind its URL gets a new plan.
+        key = (self._membership, frozenset((u, self._instances.get(u)) for u in live))
         self._epoch = self._epochs.setdefault(key, len(self._epochs) + 1)
         return tuple(t for u in live for t in self._ranks[u])
 
@@ -739,7 +906,11 @@ class SyncManager:
         renewal that fails is logged (the session's end then reports what happened)."""
         lease = self._config.lease_s
         while True:
-            held = {u: t for u, t in self._sessions.items() if t is not None and u in replicas}
+            held = {
+                u: t
+                for u, t in self._sessions.items()
+                if t is not None and u in replicas and u in self._clients
+            }
             results = await asyncio.gather(
                 *(
                     self._clients[u].renew_weight_update(
@@ -773,13 +944,14 @@ class SyncManager:
 
         async def finish(url: str) -> bool:
             client, token = self._clients[url], self._sessions.get(url)
+            verify, unverified = self._verification(url, digests, summary)
             await client.update_weight_version(
                 new_version, abort_all_requests=False, session_token=token, timeout_s=timeout
             )
-            verify = self._protocols[url].serves(WEIGHT_UPDATE_DIGEST) and url in digests
             await client.end_weight_update(
                 session_token=token,
                 digests=digests[url] if verify else None,
+                unverified=unverified,
                 timeout_s=timeout,
             )
             self._sessions.pop(url, None)
@@ -790,6 +962,61 @@ class SyncManager:
         unfinished = await self._abandon_unfinished(results)
         return tuple(u for u, ok in results.items() if ok is True), unfinished
 
+    async def _refuse_changed_while_landing(
+        self, summary: PushSummary, live: tuple[str, ...]
+    ) -> None:
+        """After sessions that ended while the copies were in flight: where a trainer tensor
+        changed before its copies landed (`TensorChangedError` from the landing), the
+        replicas may hold a mix of two steps that their sampled digests passed. They are
+        paused again, marked dirty and unlabelled here, and the sync fails.
+
+        Raises:
+            TensorChangedError: naming the tensor.
+        """
+        if summary.landed is None:
+            return
+        try:
+            await summary.landed
+        except TensorChangedError as exc:
+            self._dirty.update(live)
+            for url in live:
+                self._served.pop(url, None)
+                self._held.pop(url, None)
+            await self._call_all(
+                live,
+                "pause_generation",
+                mode=self._config.pause_mode,
+                timeout_s=self._config.lifecycle_timeout_s,
+            )
+            exc.add_note(_stay_paused(live))
+            raise
+        except Exception:
+            return  # `_landing` logged it; the replicas verified what arrived
+
+    def _verification(
+        self, url: str, digests: Mapping[str, Any], summary: PushSummary
+    ) -> tuple[bool, bool]:
+        """``(verify, unverified)`` of replica `url`'s end: verify with its digests where it
+        takes them and the push computed them for every one of its ranks; say it ends
+        unverified where the trainers computed none (``SenderConfig(digest=False)``).
+
+        Raises:
+            WeightSyncError: it takes digests and the push computed some, but not for every
+                rank of this replica: what arrived there cannot be verified, and labelling
+                it would name weights nobody checked.
+        """
+        if not self._protocols[url].serves(WEIGHT_UPDATE_DIGEST):
+            return False, False
+        if url in digests:
+            return True, False
+        if summary.digests:
+            raise WeightSyncError(
+                f"replica {url}: the push has no digests of what it wrote to every rank of "
+                "this replica, so what arrived cannot be verified; it stays paused and takes "
+                "a full write next update"
+            )
+        return False, True
+
     async def _abandon_unfinished(self, results: dict[str, Any]) -> dict[str, str]:
         """The replicas whose finish raised, marked dirty and abandoned paused, with why."""
         unfinished = {u: str(r) for u, r in results.items() if isinstance(r, BaseException)}
@@ -797,6 +1024,7 @@ class SyncManager:
             self._dirty.update(unfinished)
             for url in unfinished:
                 self._served.pop(url, None)
+                self._held.pop(url, None)
             await self._abandon(tuple(unfinished), resume=False)
         return unfinished
 
@@ -843,12 +1071,13 @@ class SyncManager:
 
         async def finish(url: str) -> tuple[bool, BaseException | None]:
             token = self._sessions.get(url)
-            verify = self._protocols[url].serves(WEIGHT_UPDATE_DIGEST) and url in digests
+            verify, unverified = self._verification(url, digests, summary)
             try:
                 reply = await self._clients[url].end_weight_sync(
                     new_version=new_version,
                     session_token=token,
                     digests=digests[url] if verify else None,
+                    unverified=unverified,
                     resume=self._config.manage_generation,
                     resume_kv_cache=url in self._released,
                     after_events=list(events) if events else None,

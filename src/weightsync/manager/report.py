@@ -86,8 +86,9 @@ class SyncReport:
         metadata_refreshed: whether rollout metadata was fetched (first sync, or membership
             changed) rather than taken from the cache.
         bit_exact: the result of the bit-exact check, or None when it did not run.
-        verified: the replicas whose ranks verified the sync's digests against what arrived
-            (the others, such as SGLang as released, cannot).
+        verified: the replicas whose ranks verified the sync's digests against what arrived.
+        unverified: the updated replicas nothing verified: they cannot (SGLang as released),
+            or the trainers computed no digests (``SenderConfig(digest=False)``).
         dropped: replicas left out of this sync because they failed before any write, with
             why; they serve their previous weights (and are tried again next sync).
     """
@@ -100,6 +101,11 @@ class SyncReport:
     bit_exact: bool | None = None
     verified: tuple[str, ...] = ()
     dropped: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def unverified(self) -> tuple[str, ...]:
+        """The updated replicas that did not verify the sync (see the class)."""
+        return tuple(url for url in self.replicas if url not in self.verified)
 
     @property
     def bytes_written(self) -> int:
@@ -135,6 +141,7 @@ class SyncReport:
             "cached_program": self.push.cached_program,
             "bit_exact": self.bit_exact,
             "verified": list(self.verified),
+            "unverified": list(self.unverified),
             "dropped": dict(self.dropped),
             "phases": {
                 "pause": self.phases.pause,

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -96,6 +97,9 @@ class TrainerSync:
             transport if transport is not None else open_transport(self._config.transport)
         )
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Held while a thread runs the loop: a call from another thread (a membership change
+        # during a sync) waits for it rather than run the loop twice.
+        self._loop_lock = threading.Lock()
         self._manager: SyncManager | None = None
         try:
             self._sender = WeightSender(self._config.sender, transport=self._transport, group=group)
@@ -150,7 +154,8 @@ class TrainerSync:
 
         The loop runs in the calling thread for the call (no thread hand-off each way on a
         sync's critical path), or in a thread of its own when the caller is itself inside a
-        running event loop. Calls must not overlap (a `TrainerSync` is not thread-safe).
+        running event loop. A call from another thread while one runs (`add_replica` or
+        `remove_replica` during a `sync`) waits for it to return, then runs.
 
         Raises:
             ValueError: not the driver rank, or the sync is closed.
@@ -162,14 +167,21 @@ class TrainerSync:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return _run_to_end(loop, coro)
+            with self._loop_lock:
+                return _run_to_end(loop, coro)
+
+        def locked() -> T:
+            with self._loop_lock:
+                return _run_to_end(loop, coro)
+
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync") as pool:
-            return pool.submit(_run_to_end, loop, coro).result()
+            return pool.submit(locked).result()
 
     def add_replica(self, url: str) -> None:
         """Add a rollout replica (scale up); the next sync fetches its metadata.
 
-        Acts on the driver rank; a no-op elsewhere.
+        Acts on the driver rank; a no-op elsewhere. Thread-safe: called while a sync runs
+        (from another thread), it waits for the sync to end and applies to the next.
 
         Raises:
             ValueError: the replica is already managed.
@@ -180,7 +192,8 @@ class TrainerSync:
     def remove_replica(self, url: str) -> None:
         """Stop writing to a rollout replica (scale down).
 
-        Acts on the driver rank; a no-op elsewhere.
+        Acts on the driver rank; a no-op elsewhere. Thread-safe: called while a sync runs
+        (from another thread), it waits for the sync to end and applies to the next.
 
         Raises:
             ValueError: the replica is not managed.
@@ -188,12 +201,17 @@ class TrainerSync:
         if self._manager is not None:
             self.run(self._manager.remove_replica(url))
 
-    def sync(self, export: WeightExport, *, version: str | None = None) -> SyncReport:
+    def sync(
+        self, export: WeightExport, *, version: str | None = None, rollback: bool = False
+    ) -> SyncReport:
         """Push this rank's weights into every replica; collective over the trainer group.
 
         Args:
             export: this rank's PP-local weights (a `weightsync.WeightExport`).
-            version: the new weight version; default: one more than the last.
+            version: the new weight version; default: one more than every numeric label a
+                replica holds or has held (`weightsync.manager.versions`).
+            rollback: `version` may be a number at or below what a replica holds (a
+                trainer that labels by its step and resumes an earlier one).
 
         Returns:
             What the sync did, with every rank's `PushStats` in ``report.push.per_source``.
@@ -209,9 +227,9 @@ class TrainerSync:
             raise ValueError("sync() on a closed TrainerSync")
         pinned = getattr(export, "pinned", None)
         with pinned() if callable(pinned) else contextlib.nullcontext():
-            return self._sync(export, version)
+            return self._sync(export, version, rollback)
 
-    def _sync(self, export: WeightExport, version: str | None) -> SyncReport:
+    def _sync(self, export: WeightExport, version: str | None, rollback: bool) -> SyncReport:
         """`sync`, with the export's memory key computed once."""
         mine = self._sender.holding(export)
         holdings = tuple(sorted(self._collective.all_gather(mine), key=lambda h: h.rank))
@@ -280,7 +298,9 @@ class TrainerSync:
 
         try:
             # Every rank's sender waits for the fences of the targets it writes to.
-            report = self.run(self._manager.update_weights(push, version=version, fence=True))
+            report = self.run(
+                self._manager.update_weights(push, version=version, fence=True, rollback=rollback)
+            )
         except BaseException as exc:
             try:
                 if not pushed:

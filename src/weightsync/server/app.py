@@ -12,7 +12,8 @@ does not parse, SGLang's ``{"object": "error", ...}``), with ``{"success": false
 {"message"}}`` elsewhere; 401 a missing or wrong API key (every route but ``/health`` and
 ``/ready``); 404 an unknown rank for ``/parallelism_config``; 500 a rank failed; 503 not now
 (``/generate``, ``/health`` and ``/ready`` while paused, during a weight-update session or
-with memory released, or while shutting down).
+with memory released, or while shutting down); 507 a rank ran out of memory (the message
+says where, in what, how much was asked for and how much was free).
 
 Beyond SGLang it serves ``/parallelism_config`` and ``/get_weight_version`` (the Miles
 extensions) and says so in ``/server_info["weightsync"]["capabilities"]``; unless started
@@ -61,9 +62,10 @@ from weightsync.control.models import (
     WeightVersionResponse,
 )
 from weightsync.control.protocol import WEIGHT_SYNC_FUSED
-from weightsync.server.controller import ReplicaController, StepRefusedError
+from weightsync.server.controller import ReplicaController, SessionGrant, StepRefusedError
 from weightsync.server.direct import DirectApp, DirectRoute
 from weightsync.server.extensions import ServerExtension
+from weightsync.server.gate import require_key_before_body
 from weightsync.server.http import (
     SUCCESS_400,
     ControlError,
@@ -77,6 +79,29 @@ from weightsync.server.http import (
 )
 
 
+def grant_fields(grant: SessionGrant) -> dict[str, Any]:
+    """The fields a begin's reply carries beyond success and message: the session's token
+    and lease (leased), what changed outside a session, a fenced begin's events, and what
+    the replica holds as the session begins (its label, the largest numeric label it has
+    held, its process's identity)."""
+    fields: dict[str, Any] = {
+        "weight_version": grant.weight_version,
+        "instance": grant.instance,
+        "highest_numeric_version": grant.highest_version,
+    }
+    if grant.token:
+        fields |= {"session_token": grant.token, "lease_s": grant.lease_s}
+    if grant.changed_outside:
+        fields["changed_outside"] = list(grant.changed_outside)
+    if grant.fences:
+        fields["fences"] = list(grant.fences)
+    return fields
+
+
+OPEN_PATHS = ("/health", "/ready")
+"""The main server's paths that need no API key."""
+
+
 def create_main_app(
     controller: ReplicaController,
     *,
@@ -87,8 +112,9 @@ def create_main_app(
     """The main server's app over `controller`; see the module docstring for status codes.
 
     With `api_key`, every route but ``/health`` and ``/ready`` needs ``Authorization: Bearer
-    <api_key>`` (as SGLang). Each of `extensions` adds its routes. With `direct_routes` the
-    fused lifecycle calls skip the framework (`DirectApp`), answering as its routes do.
+    <api_key>`` (as SGLang), judged before a body is read (`require_key_before_body`). Each
+    of `extensions` adds its routes. With `direct_routes` the fused lifecycle calls skip
+    the framework (`DirectApp`), answering as its routes do.
     """
     app = DirectApp(
         title="weightsync reference rollout server",
@@ -97,6 +123,9 @@ def create_main_app(
     )
     install_error_handler(app)
     describe_validation_as_400(app)
+    # Judged from the head, before any route reads a body; each route's dependency below
+    # also puts the key in the OpenAPI document.
+    require_key_before_body(app, api_key, open_paths=OPEN_PATHS)
     authorized = [Depends(bearer_auth(api_key))]
 
     @app.get(
@@ -243,12 +272,7 @@ def create_main_app(
             if exc.status_code != 400:
                 raise
             return success_body(False, str(exc))
-        extra: dict[str, Any] = (
-            {"session_token": grant.token, "lease_s": grant.lease_s} if grant.token else {}
-        )
-        if grant.changed_outside:
-            extra["changed_outside"] = list(grant.changed_outside)
-        return success_body(True, grant.message, **extra)
+        return success_body(True, grant.message, **grant_fields(grant))
 
     @app.post(
         "/renew_weight_update",
@@ -280,7 +304,7 @@ def create_main_app(
 
         async def end() -> str:
             ended = await controller.end_weight_update(
-                token=body.session_token, digests=body.digests
+                token=body.session_token, digests=body.digests, unverified=bool(body.unverified)
             )
             return ended.message
 
@@ -320,11 +344,12 @@ def create_main_app(
         "/weights_checker",
         response_model=SuccessResponse,
         dependencies=authorized,
-        responses={**error_responses(), **SUCCESS_400},
+        responses={**error_responses(507), **SUCCESS_400},
     )
     async def weights_checker(body: WeightsCheckerRequest) -> Any:
         """snapshot / reset_tensors / compare / checksum; 400 with the per-parameter report
-        when it fails."""
+        when it fails; 507 when a rank runs out of memory (the snapshot says whether it took
+        GPU or host memory)."""
         try:
             success, message, extra = await controller.weights_checker(body)
         except ControlError as exc:
@@ -337,7 +362,7 @@ def create_main_app(
         "/generate",
         response_model=GenerateResponse,
         dependencies=authorized,
-        responses=error_responses(400, 500, 503),
+        responses=error_responses(400, 500, 503, 507),
     )
     async def generate(body: GenerateRequest) -> GenerateResponse:
         """Token ids in, new token ids out; 503 while paused or in a weight-update session."""
@@ -377,14 +402,7 @@ def _add_fused_routes(
             )
         except StepRefusedError as exc:
             return refused(exc)
-        extra: dict[str, Any] = {"completed": list(completed)}
-        if grant.token:
-            extra |= {"session_token": grant.token, "lease_s": grant.lease_s}
-        if grant.changed_outside:
-            extra["changed_outside"] = list(grant.changed_outside)
-        if grant.fences:
-            extra["fences"] = list(grant.fences)
-        return success_body(True, grant.message, **extra)
+        return success_body(True, grant.message, completed=list(completed), **grant_fields(grant))
 
     async def end(body: EndWeightSyncRequest) -> JSONResponse:
         try:
@@ -392,6 +410,7 @@ def _add_fused_routes(
                 new_version=body.new_version,
                 token=body.session_token,
                 digests=body.digests,
+                unverified=bool(body.unverified),
                 resume=body.resume,
                 resume_kv_cache=body.resume_kv_cache,
                 torch_empty_cache=body.torch_empty_cache,

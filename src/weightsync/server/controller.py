@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync import __version__
+from weightsync.control.labels import numeric_label
 from weightsync.control.models import GenerateRequest, GenerateResponse, WeightsCheckerRequest
 from weightsync.control.protocol import (
     GET_WEIGHT_VERSION,
@@ -51,6 +52,7 @@ from weightsync.server.ranks.commands import (
     CONFLICT,
     INTERNAL,
     INVALID,
+    OUT_OF_MEMORY,
     REFUSED,
     BeginUpdate,
     CheckWeights,
@@ -87,7 +89,9 @@ class _NotLandedError(ControlError):
 # how long of it the event loop looks at their events without sleeping.
 _LANDING_TIMEOUT_S = 60.0
 _SPIN_S = 0.05
-_STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500}
+# 507 Insufficient Storage: a rank ran out of memory; unlike a 500, its reply carries the
+# sizes (`weightsync.server.ranks.memory`).
+_STATUS_OF_KIND = {REFUSED: 503, CONFLICT: 400, INVALID: 400, INTERNAL: 500, OUT_OF_MEMORY: 507}
 # Tags of SGLang's memory saver. Parameter memory is registered with the transfer engine and
 # must never move, so "weights" cannot be released here.
 _RELEASABLE_TAGS = frozenset({"kv_cache", "cuda_graph"})
@@ -134,6 +138,10 @@ class SessionGrant:
             known at the end (`SessionEnd`).
         fences: a fenced begin's IPC handles (hex) of the CUDA events each tp rank's begin
             digest completes at, by tp rank: writes into a rank must follow its event.
+        weight_version: the label of the weights the replica holds as the session begins.
+        instance: the replica process's identity (`ReplicaController.instance`).
+        highest_version: the largest numeric label (`weightsync.control.labels`) this
+            process has held, or None.
     """
 
     message: str
@@ -141,6 +149,9 @@ class SessionGrant:
     lease_s: float | None = None
     changed_outside: tuple[str, ...] = ()
     fences: tuple[str, ...] = ()
+    weight_version: str | None = None
+    instance: str | None = None
+    highest_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +206,11 @@ class ReplicaController:
         self.info = info
         self._bounds = bounds or GenerationBounds.of_model(info.hf_config)
         self._weight_version = weight_version
+        self._highest_version = numeric_label(weight_version)
+        self.instance = uuid.uuid4().hex
+        """This process's identity: a new one every start, so that a client can tell a
+        restarted replica behind the same URL (metadata, plans and digests of the old one
+        are void) from the one it wrote to."""
         self._paused_mode: str | None = None
         self._session = "closed"  # closed | opening | open | closing
         self._lease: _Session | None = None
@@ -411,6 +427,9 @@ class ReplicaController:
             lease_s=lease_s,
             changed_outside=_named(changed),
             fences=tuple(c.fence for c in checks) if fence else (),
+            weight_version=self._weight_version,
+            instance=self.instance,
+            highest_version=self._highest_version,
         )
 
     async def renew_weight_update(self, token: str | None, lease_s: float) -> float:
@@ -435,15 +454,23 @@ class ReplicaController:
         *,
         token: str | None = None,
         digests: Mapping[int, Mapping[str, int]] | None = None,
+        unverified: bool = False,
         after_events: Sequence[str] = (),
         landing_timeout_s: float = _LANDING_TIMEOUT_S,
     ) -> SessionEnd:
         """Verify what arrived, run post-load processing and close the session.
 
+        A leased session (a weightsync client's) that was labelled is complete only with
+        `digests` that match, or where its holder says it sends none (`unverified`: the
+        weights then serve as unverified); a labelled end with neither leaves the weights
+        incomplete, since nothing checked what arrived. An unleased session keeps SGLang's
+        rule: labelled, it is complete.
+
         Args:
             token: the session token (required for a leased session).
             digests: per tp rank, ``{param_name: digest}`` of what the trainers wrote; every
                 rank's digests must be given and match, or the update is incomplete.
+            unverified: the holder computed no digests and takes the weights unverified.
             after_events: IPC handles (hex) of the CUDA events the trainers' copies complete
                 at: the end waits for them, up to `landing_timeout_s`, before it verifies
                 (a replica that took `events`).
@@ -481,6 +508,7 @@ class ReplicaController:
             session,
             expected,
             reason="end_weight_update",
+            unverified=unverified,
             after_events=after_events,
             landing_timeout_s=landing_timeout_s,
         )
@@ -555,7 +583,7 @@ class ReplicaController:
             self._label_with_end = new_version
         else:
             await self._run(SetWeightVersion(version=new_version), inline=True)
-        self._weight_version = new_version
+        self._label(new_version)
         self._log_step("weight version is now %s", new_version)
         return f"Weight version updated to {new_version}"
 
@@ -605,14 +633,16 @@ class ReplicaController:
         new_version: str | None,
         token: str | None = None,
         digests: Mapping[int, Mapping[str, int]] | None = None,
+        unverified: bool = False,
         resume: bool = True,
         resume_kv_cache: bool = True,
         torch_empty_cache: bool = False,
         after_events: Sequence[str] = (),
         budget_s: float | None = None,
     ) -> tuple[SessionEnd, tuple[str, ...]]:
-        """`update_weight_version` (unless `new_version` is None), `end_weight_update`
-        (after waiting for `after_events`, within the budget), then, with `resume`,
+        """`update_weight_version` (unless `new_version` is None), `end_weight_update` (with
+        `digests` or `unverified`, after waiting for `after_events`, within the budget), then,
+        with `resume`,
         `resume_memory_occupation` of the KV cache (when `resume_kv_cache`), `flush_cache`
         and `continue_generation`, in that order, each with its own semantics: one round
         trip instead of five. The call stops where it runs past `budget_s` seconds (the
@@ -645,6 +675,7 @@ class ReplicaController:
                 await self.end_weight_update(
                     token=token,
                     digests=digests,
+                    unverified=unverified,
                     after_events=after_events,
                     landing_timeout_s=landing_timeout_s,
                 )
@@ -723,12 +754,14 @@ class ReplicaController:
         expected: tuple[dict[str, int] | None, ...],
         *,
         reason: str,
+        unverified: bool = False,
         after_events: Sequence[str] = (),
         landing_timeout_s: float = _LANDING_TIMEOUT_S,
     ) -> tuple[str | None, tuple[str, ...]]:
-        """Close `session` on every rank and decide what the weights now are; returns the
-        problem found (None when the update is complete or nothing changed) and, after a
-        fenced begin, the parameters it found changed outside a session. With
+        """Close `session` on every rank and decide what the weights now are (see
+        `end_weight_update`; `unverified` as there); returns the problem found (None when
+        the update is complete or nothing changed) and, after a fenced begin, the parameters
+        it found changed outside a session. With
         `after_events` (the IPC handles of the trainers' events), the ranks end it once the
         events are reached, waiting up to `landing_timeout_s`.
 
@@ -791,7 +824,14 @@ class ReplicaController:
             else:
                 self._complete(verified=True)
         elif session.versioned and reason == "end_weight_update":
-            self._complete(verified=False)
+            if session.token is None or unverified:
+                self._complete(verified=False)
+            else:
+                problem = (
+                    "the labelled weight-update session ended without digests: nothing "
+                    "verified what arrived; end it with the trainers' digests, or with "
+                    "unverified=true where the trainers compute none"
+                )
         elif changed:
             problem = (
                 f"the weight-update session ended ({reason}) without a complete update after "
@@ -889,7 +929,14 @@ class ReplicaController:
     async def set_weight_version(self, version: str) -> None:
         """Label the weights every rank now holds (an extension's update set them)."""
         await self._run(SetWeightVersion(version=version))
+        self._label(version)
+
+    def _label(self, version: str) -> None:
+        """Take `version` as the label of the weights held (and the highest numeric one)."""
         self._weight_version = version
+        number = numeric_label(version)
+        if number is not None and (self._highest_version is None or number > self._highest_version):
+            self._highest_version = number
 
     def server_args(self) -> dict[str, Any]:
         """The ``/server_info`` fields that describe how the server runs."""
@@ -904,6 +951,8 @@ class ReplicaController:
             "weight_version": self._weight_version,
             "weightsync": {
                 "version": __version__,
+                "instance": self.instance,
+                "highest_numeric_version": self._highest_version,
                 "capabilities": list(self.capabilities),
                 "weights": {
                     "complete": self._incomplete is None,
@@ -1012,7 +1061,9 @@ class ReplicaController:
             message = failed[0].error or ""
         else:
             message = "; ".join(f"tp rank {r.tp_rank}: {r.error}" for r in failed)
-        raise ControlError(message, status_code=_STATUS_OF_KIND.get(failed[0].error_kind, 500))
+        kinds = [r.error_kind for r in failed]
+        kind = OUT_OF_MEMORY if OUT_OF_MEMORY in kinds else kinds[0]
+        raise ControlError(message, status_code=_STATUS_OF_KIND.get(kind, 500))
 
 
 async def _run_steps(

@@ -198,7 +198,10 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             self._follow_membership(sync)
         version = None if global_steps is None else str(global_steps)
         try:
-            report = sync.sync(TensorsExport(tensors), version=version)
+            # verl labels by its global step, which goes back when a run resumes from an
+            # earlier checkpoint: a step below what a replica holds is a rollback, not an
+            # error (a step a replica holds is still refused: it names other weights).
+            report = sync.sync(TensorsExport(tensors), version=version, rollback=True)
         except Exception as exc:
             advice = verl_advice(str(exc))
             if advice is not None:
