@@ -3,6 +3,7 @@ proxy that rewrites what a real replica publishes, and the table of outcomes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -13,6 +14,9 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+
+from weightsync.control import RolloutClient
+from weightsync.errors import RemoteReplicaError
 
 TABLE_ENV = "WEIGHTSYNC_FAULT_TABLE"
 
@@ -109,3 +113,22 @@ class Stopwatch:
     @property
     def seconds(self) -> float:
         return time.monotonic() - self._start
+
+
+def call(url: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call `RolloutClient` method `method` of replica `url` once, in a loop of its own."""
+
+    async def run() -> Any:
+        async with RolloutClient(url, timeout_s=30.0) as client:
+            return await getattr(client, method)(*args, **kwargs)
+
+    return asyncio.run(run())
+
+
+def serves(url: str) -> bool:
+    """Whether replica `url` generates (not paused, not incomplete)."""
+    try:
+        call(url, "generate", [1, 2, 3], max_new_tokens=2, timeout_s=10.0)
+    except RemoteReplicaError:
+        return False
+    return True

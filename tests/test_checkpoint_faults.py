@@ -11,7 +11,6 @@ recovers it. ``WEIGHTSYNC_FAULT_TABLE=path`` collects case, outcome and time to 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
@@ -25,11 +24,9 @@ from typing import Any
 
 import pytest
 
-from faults import Stopwatch, record
+from faults import Stopwatch, call, record, serves
 from servers import ServedReplica, serve_replicas
 from weightsync.checkpoint import read_safetensors_header
-from weightsync.control import RolloutClient
-from weightsync.errors import RemoteReplicaError
 from weightsync.testing.presets import preset_config, write_random_checkpoint
 
 pytestmark = pytest.mark.faults
@@ -42,22 +39,6 @@ FAIL_DEADLINE_S = 60.0
 PUSH_TIMEOUT_S = 120
 # A line the command's logging writes (`weightsync.cli.logs`).
 LOG_RECORD = re.compile(r"^weightsync[\w.]*: (DEBUG|INFO|WARNING|ERROR|CRITICAL): ")
-
-
-def call(url: str, method: str, *args: Any, **kwargs: Any) -> Any:
-    async def run() -> Any:
-        async with RolloutClient(url, timeout_s=30.0) as client:
-            return await getattr(client, method)(*args, **kwargs)
-
-    return asyncio.run(run())
-
-
-def serves(url: str) -> bool:
-    try:
-        call(url, "generate", [1, 2, 3], max_new_tokens=2, timeout_s=10.0)
-    except RemoteReplicaError:
-        return False
-    return True
 
 
 def weights_state(url: str) -> dict[str, Any]:

@@ -12,7 +12,6 @@ to fail as JSON lines.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -27,9 +26,8 @@ import pytest
 import torch
 
 import weightsync as ws
-from faults import StallingExport, Stopwatch, record, rewriting_proxy
+from faults import StallingExport, Stopwatch, call, record, rewriting_proxy, serves
 from servers import app_in_thread, serve_replicas
-from weightsync.control import RolloutClient
 from weightsync.errors import (
     LayoutMismatchError,
     PartialSyncError,
@@ -46,22 +44,6 @@ TINY = preset_config("tiny")
 # A longer context, so that one request can keep a replica busy for seconds.
 LONG = preset_config("tiny", max_position_embeddings=8192)
 HERE = Path(__file__).parent
-
-
-def call(url: str, method: str, *args: Any, **kwargs: Any) -> Any:
-    async def run() -> Any:
-        async with RolloutClient(url, timeout_s=30.0) as client:
-            return await getattr(client, method)(*args, **kwargs)
-
-    return asyncio.run(run())
-
-
-def serves(url: str) -> bool:
-    try:
-        call(url, "generate", [1, 2, 3], max_new_tokens=2, timeout_s=10.0)
-    except RemoteReplicaError:
-        return False
-    return True
 
 
 def version_of(url: str) -> str | None:

@@ -10,7 +10,6 @@ and the next sync recovers it bit-exactly. Optimizer steps between syncs are no 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import threading
@@ -21,10 +20,9 @@ import pytest
 import torch
 
 import weightsync as ws
-from faults import HookedTransport, StallingExport, Stopwatch, record
+from faults import HookedTransport, StallingExport, Stopwatch, call, record, serves
 from servers import serve_replicas
-from weightsync.control import RolloutClient
-from weightsync.errors import RemoteReplicaError, TensorChangedError
+from weightsync.errors import TensorChangedError
 from weightsync.export import ModelExport
 from weightsync.receiver.loader import shard_state_dict
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
@@ -38,22 +36,6 @@ pytestmark = pytest.mark.faults
 TINY = preset_config("tiny", vocab_size=1024)
 # Each case's syncs, failed one included, end well within this.
 CASE_S = 60.0
-
-
-def call(url: str, method: str, *args: Any, **kwargs: Any) -> Any:
-    async def run() -> Any:
-        async with RolloutClient(url, timeout_s=30.0) as client:
-            return await getattr(client, method)(*args, **kwargs)
-
-    return asyncio.run(run())
-
-
-def serves(url: str) -> bool:
-    try:
-        call(url, "generate", [1, 2, 3], max_new_tokens=2, timeout_s=10.0)
-    except RemoteReplicaError:
-        return False
-    return True
 
 
 def sync_config(**sender: Any) -> ws.SyncConfig:

@@ -187,16 +187,7 @@ class ServeConfig:
                 "max_new_tokens_limit must be a positive int (or None for the model's context "
                 f"length), got {self.max_new_tokens_limit!r}"
             )
-        timeout = self.unauthenticated_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ValueError(
-                f"unauthenticated_timeout_s must be a positive number of seconds, got {timeout!r}"
-            )
+        check_unauthenticated_timeout(self.unauthenticated_timeout_s)
         if self.collective_timeout_s <= 0:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
@@ -223,3 +214,21 @@ class ServeConfig:
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def check_unauthenticated_timeout(timeout: object) -> None:
+    """Refuse a timeout for callers without the key that is not a positive, finite number
+    of seconds.
+
+    Raises:
+        ValueError: naming the value.
+    """
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(
+            f"unauthenticated_timeout_s must be a positive number of seconds, got {timeout!r}"
+        )

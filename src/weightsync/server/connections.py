@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from weightsync.server.config import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_UNAUTHENTICATED_TIMEOUT_S,
+    check_unauthenticated_timeout,
 )
 from weightsync.server.http import error_response
 
@@ -66,16 +67,7 @@ class ConnectionLimits:
             raise ValueError(
                 f"max_connections must be a positive int, got {self.max_connections!r}"
             )
-        timeout = self.unauthenticated_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ValueError(
-                f"unauthenticated_timeout_s must be a positive number of seconds, got {timeout!r}"
-            )
+        check_unauthenticated_timeout(self.unauthenticated_timeout_s)
 
     def too_many_connections(self) -> JSONResponse:
         """The 503 for a connection past `max_connections`."""
