@@ -132,7 +132,6 @@ class SyncManager:
         self._unhealthy: dict[str, str] = {}
         self._protocols: dict[str, ReplicaProtocol] = {}
         self._server_infos: dict[str, dict[str, Any]] = {}
-        self._served: dict[str, str | None] = {}  # weight version each replica serves
         self._warned: set[str] = set()
         # Per update: replicas whose KV cache it released (and so must resume), whose
         # generation it paused, and the session tokens of the sessions it began.
@@ -143,7 +142,7 @@ class SyncManager:
         self._fences: dict[str, tuple[str, ...]] = {}  # the fenced begins' events, by URL
         self._membership = 0  # counts membership changes
         self._instances: dict[str, str] = {}  # each replica's process, where it says
-        self._held: dict[str, HeldLabel] = {}  # what each replica held at its last begin
+        self._held: dict[str, HeldLabel] = {}  # what each replica holds, as last seen
         # Per update: what the begins' replies said, and the replicas found restarted.
         self._begun: dict[str, HeldLabel] = {}
         self._renewed: set[str] = set()
@@ -258,7 +257,6 @@ class SyncManager:
         for table in (
             self._protocols,
             self._server_infos,
-            self._served,
             self._unhealthy,
             self._ranks,
             self._instances,
@@ -503,7 +501,6 @@ class SyncManager:
         self._dirty.difference_update(live)
         number = numeric_label(new_version)
         for url in live:
-            self._served[url] = new_version
             highest = self._held[url].highest if url in self._held else None
             if number is not None:
                 highest = max(number, highest or 0)
@@ -558,7 +555,7 @@ class SyncManager:
 
     def _label(self, version: str | None, live: Sequence[str], rollback: bool) -> str:
         """The label of the update from what the replicas in `live` hold (`next_label`)."""
-        held = {url: self._held.get(url, HeldLabel(label=self._served.get(url))) for url in live}
+        held = {url: self._held.get(url, HeldLabel(label=None)) for url in live}
         return next_label(
             version,
             held,
@@ -599,7 +596,6 @@ class SyncManager:
             self._raise_all_dropped(dropped, stage="begin")
         for url in live:
             self._held[url] = self._begun[url]
-            self._served[url] = self._begun[url].label
         return live
 
     def _note_begin(self, url: str, reply: BeginWeightUpdateResponse) -> None:
@@ -654,7 +650,11 @@ class SyncManager:
                 self._server_infos[url] = info
                 self._protocols[url] = protocol
                 version = model.get("weight_version")
-                self._served[url] = str(version) if version is not None else None
+                known = self._held.get(url)
+                self._held[url] = HeldLabel(
+                    label=str(version) if version is not None else None,
+                    highest=known.highest if known is not None else None,
+                )
                 instance = (info.get("weightsync") or {}).get("instance")
                 if isinstance(instance, str):
                     self._instances[url] = instance
@@ -980,7 +980,6 @@ class SyncManager:
         except TensorChangedError as exc:
             self._dirty.update(live)
             for url in live:
-                self._served.pop(url, None)
                 self._held.pop(url, None)
             await self._call_all(
                 live,
@@ -1023,7 +1022,6 @@ class SyncManager:
         if unfinished:
             self._dirty.update(unfinished)
             for url in unfinished:
-                self._served.pop(url, None)
                 self._held.pop(url, None)
             await self._abandon(tuple(unfinished), resume=False)
         return unfinished
