@@ -46,7 +46,7 @@ def check_label(label: str) -> str:
         )
     if not label.isprintable():
         raise ValueError(f"a weight version must be printable, got {label!r}")
-    if label.isdigit() and numeric_label(label) is None and label.isascii():
+    if label.isascii() and label.isdigit() and len(label) > MAX_NUMERIC_DIGITS:
         raise ValueError(
             f"a numeric weight version has at most {MAX_NUMERIC_DIGITS} digits, got "
             f"{len(label)}; count from a smaller number or use a label that is not a number"
