@@ -60,9 +60,7 @@ from common import (
 from sync import launch
 from weightsync.layout.dtypes import canonical_dtype_name
 from weightsync.plan import build_plan, simulate_sources, simulate_targets
-from weightsync.plan.network import NetworkModel
-from weightsync.plan.schedule import plan_schedule
-from weightsync.plan.simulator import simulate
+from weightsync.predict import NetworkModel, plan_schedule, simulate
 from weightsync.testing.trainers import SyncTrainers, TrainerSpec
 
 METHOD = "p2p-nodigest"

@@ -6,7 +6,8 @@ and checked against the rules below; `check_tree` returns one sentence per viola
 Rules:
 
 - each package may import only the packages below it (`ALLOWED`, the layers of the design);
-- `layout` and `plan` are pure: no torch (so no torch.distributed), no networking;
+- `layout`, `plan` and `predict` are pure: no torch (so no torch.distributed), no networking;
+- `predict` sits on `plan` and only the command line imports it;
 - `transport` knows bytes, not names: nothing of weightsync but errors and itself;
 - `receiver` imports no web framework;
 - nothing in the library imports `testing`, except the command line.
@@ -27,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"errors", "layout"},
     "cuda_events": set(),
     "plan": {"errors", "layout"},
+    "predict": {"errors", "layout", "plan"},
     "transport": {"errors"},
     "control": _BASE,
     "receiver": _BASE | {"transport", "control"},
@@ -46,16 +48,17 @@ ALLOWED: dict[str, set[str]] = {
     | {"manager", "baseline", "integrations"},
     "cli": _BASE
     | {"plan", "transport", "control", "receiver", "engine", "server", "export", "sender"}
-    | {"manager", "baseline", "integrations", "testing"},
+    | {"manager", "baseline", "integrations", "testing", "predict"},
 }
 # Top-level modules every layer may import: the package root (its names load lazily).
 _ROOT_MODULES = {"__init__", "__main__"}
 
-PURE = ("layout", "plan")
+PURE = ("layout", "plan", "predict")
 _NETWORK = ("socket", "http", "urllib", "aiohttp", "httpx", "requests", "fastapi", "uvicorn")
 _FORBIDDEN_THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "layout": ("torch", *_NETWORK, "mooncake"),
     "plan": ("torch", *_NETWORK, "mooncake"),
+    "predict": ("torch", *_NETWORK, "mooncake"),
     "receiver": ("fastapi", "starlette", "uvicorn"),
 }
 

@@ -31,6 +31,32 @@ def test_every_package_has_a_place_in_the_contract() -> None:
         ("plan/planted.py", "import aiohttp", "plan imports aiohttp"),
         ("layout/planted.py", "from weightsync.plan import build_plan", "layout imports"),
         (
+            "plan/planted.py",
+            "from weightsync.predict import predict_sync",
+            "plan imports weightsync.predict",
+        ),
+        (
+            "predict/planted.py",
+            "import torch.distributed as dist",
+            "predict imports torch.distributed",
+        ),
+        ("predict/planted.py", "import socket", "predict imports socket"),
+        (
+            "predict/planted.py",
+            "from weightsync.transport import MooncakeConfig",
+            "predict imports weightsync.transport",
+        ),
+        (
+            "predict/planted.py",
+            "from weightsync.sender import WeightSender",
+            "predict imports weightsync.sender",
+        ),
+        (
+            "manager/planted.py",
+            "from weightsync.predict import predict_sync",
+            "manager imports weightsync.predict",
+        ),
+        (
             "transport/planted.py",
             "from weightsync.layout import rank_layout",
             "transport imports weightsync.layout",

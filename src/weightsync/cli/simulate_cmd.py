@@ -15,9 +15,14 @@ from rich.table import Table
 
 from weightsync.layout import normalize_hf_config
 from weightsync.layout.families import family_for
-from weightsync.plan.cluster import TrainerShape
-from weightsync.plan.network import NetworkModel, Port
-from weightsync.plan.predict import SyncPrediction, is_fp8_config, predict_sync
+from weightsync.predict import (
+    NetworkModel,
+    Port,
+    SyncPrediction,
+    TrainerShape,
+    is_fp8_config,
+    predict_sync,
+)
 
 PRESETS: tuple[str, ...] = (
     "kimi-k2",

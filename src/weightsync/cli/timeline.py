@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weightsync.plan.predict import SyncPrediction
+from weightsync.predict import SyncPrediction
 
 
 class PlotUnavailableError(RuntimeError):

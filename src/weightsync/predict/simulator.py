@@ -23,9 +23,9 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from weightsync.plan.network import NetworkModel, Port
-from weightsync.plan.traffic import TrafficGroup
-from weightsync.plan.transfers import Schedule, Transfer
+from weightsync.predict.network import NetworkModel, Port
+from weightsync.predict.traffic import TrafficGroup
+from weightsync.predict.transfers import Schedule, Transfer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,7 +94,7 @@ def simulate(schedule: Schedule, network: NetworkModel) -> SimulationResult:
 class Engine:
     """The event loop: flows, ports and their shares; `run` drives it with a chooser.
 
-    `weightsync.plan.schedule` runs it with a greedy chooser to order a schedule, and
+    `weightsync.predict.schedule` runs it with a greedy chooser to order a schedule, and
     `simulate` replays that order: the same dynamics, so the replay reproduces it.
     """
 

@@ -1,4 +1,4 @@
-"""The trainer side of a simulated cluster: which GPU holds which HF tensor.
+"""The trainer side of a modelled cluster: which GPU holds which HF tensor.
 
 A trainer of ``num_gpus = pp * dp * tp * ep`` GPUs: `pp` pipeline stages (contiguous
 layers, `stage_layers`), each held by `dp` data-parallel copies, each copy spread over
@@ -18,8 +18,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from weightsync.plan.simulate import stage_layers
-from weightsync.plan.traffic import TrafficUnit
+from weightsync.plan import stage_layers
+from weightsync.predict.traffic import TrafficUnit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,18 +15,18 @@ from typing import Any
 
 from weightsync.layout import hf_tensor_shapes, model_dtype
 from weightsync.layout.dtypes import dtype_size
-from weightsync.plan.cluster import TrainerShape, simulated_holders
-from weightsync.plan.network import NetworkModel
-from weightsync.plan.schedule import DEFAULT_WINDOWS, network_schedule, round_robin_schedule
-from weightsync.plan.simulate import simulate_targets
-from weightsync.plan.simulator import (
+from weightsync.plan import simulate_targets
+from weightsync.predict.cluster import TrainerShape, simulated_holders
+from weightsync.predict.network import NetworkModel
+from weightsync.predict.schedule import DEFAULT_WINDOWS, network_schedule, round_robin_schedule
+from weightsync.predict.simulator import (
     SimulationResult,
     ideal_lower_bound_s,
     lower_bound_s,
     simulate,
 )
-from weightsync.plan.traffic import fp8_num_bytes, is_fp8_weight, traffic_units
-from weightsync.plan.transfers import Schedule
+from weightsync.predict.traffic import fp8_num_bytes, is_fp8_weight, traffic_units
+from weightsync.predict.transfers import Schedule
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,29 +1,35 @@
-"""The network schedule of a sync: who sends which bytes to which target, and in which order.
+"""Schedules a predicted sync is simulated with: who sends which bytes where, in which order.
 
-Computed once per membership from the work units (`weightsync.plan.traffic`), the tensors
-each trainer GPU holds and the network (`weightsync.plan.network`), deterministically (ranks,
-positions and sizes decide, never input order). `network_schedule` builds it in three steps:
+A schedule is a model of the transfers, not a program: the sender executes the push program
+lowered from a `SyncPlan` (`weightsync.plan`), and these schedules exist to be run on the
+network model (`weightsync.predict.simulator`). Three are built here:
 
-1. **Sources.** Every unit goes to one of the GPUs that hold its tensor, by today's
-   byte-balanced, destination-contiguous assignment (`assign_units`), so every
-   data-parallel copy of a stage sends about the same number of bytes.
-2. **Transfers.** A source's units are grouped per target and per layer window (the layers
-   cut into `num_windows` contiguous windows, embeddings in the first, the output layer in the
-   last): one transfer carries all the source's writes into one target for one window, so the
-   writes to a target are grouped and neighbouring runs coalesce.
-3. **Order.** Windows go in layer order, so a layer-by-layer pipeline stays possible. Inside
-   a window the order is found by running the sync on the network model
-   (`weightsync.plan.simulator.Engine`): whenever a source is free, it takes, of its
-   transfers left in the window, the one whose receiving port carries the fewest flows now,
-   then the one whose port has the most bytes still to come (the receiver that would finish
-   last), then the lower target. No receiver is hammered by two sources while another waits
-   idle, and the receivers that bound the sync are kept busy from start to end.
+- `network_schedule`, the balanced, NIC-parallel order, computed from the work units
+  (`weightsync.predict.traffic`), the tensors each trainer GPU holds and the network
+  (`weightsync.predict.network`), deterministically (ranks, positions and sizes decide, never
+  input order), in three steps:
 
-`plan_schedule` reads the schedule off a `SyncPlan` (what today's senders execute), so the
-simulator can predict a sync that really runs. `round_robin_schedule` is the comparison:
-each rollout replica is fed by one data-parallel copy, round robin (replica ``r`` by copy
-``r % dp``, as Miles deals engines to trainer ranks), and each source walks its targets in
-rank order.
+  1. **Sources.** Every unit goes to one of the GPUs that hold its tensor, by the plan's
+     byte-balanced, destination-contiguous assignment (`assign_units`), so every
+     data-parallel copy of a stage sends about the same number of bytes.
+  2. **Transfers.** A source's units are grouped per target and per layer window (the layers
+     cut into `num_windows` contiguous windows, embeddings in the first, the output layer in
+     the last): one transfer carries all the source's writes into one target for one window,
+     so the writes to a target are grouped and neighbouring runs coalesce.
+  3. **Order.** Windows go in layer order, so a layer-by-layer pipeline stays possible.
+     Inside a window the order is found by running the sync on the network model
+     (`weightsync.predict.simulator.Engine`): whenever a source is free, it takes, of its
+     transfers left in the window, the one whose receiving port carries the fewest flows
+     now, then the one whose port has the most bytes still to come (the receiver that would
+     finish last), then the lower target. No receiver is hammered by two sources while
+     another waits idle, and the receivers that bound the sync are kept busy from start to
+     end.
+
+- `round_robin_schedule`, the comparison: each rollout replica is fed by one data-parallel
+  copy, round robin (replica ``r`` by copy ``r % dp``, as Miles deals engines to trainer
+  ranks), and each source walks its targets in rank order.
+- `plan_schedule`, a `SyncPlan` from `build_plan` read as a schedule, so the simulator can
+  predict a sync that the senders really run.
 """
 
 from __future__ import annotations
@@ -31,14 +37,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
+from weightsync.plan import CopyItem, SyncPlan, TargetRank
 from weightsync.plan.assign import UnitKey, WorkUnit, assign_units
-from weightsync.plan.items import CopyItem
-from weightsync.plan.network import NetworkModel
-from weightsync.plan.simulator import Engine
-from weightsync.plan.sync_plan import SyncPlan
-from weightsync.plan.traffic import TrafficGroup, TrafficUnit
-from weightsync.plan.transfers import Schedule, Transfer
-from weightsync.plan.types import TargetRank
+from weightsync.predict.network import NetworkModel
+from weightsync.predict.simulator import Engine
+from weightsync.predict.traffic import TrafficGroup, TrafficUnit
+from weightsync.predict.transfers import Schedule, Transfer
 
 DEFAULT_WINDOWS = 4
 

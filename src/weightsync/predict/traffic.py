@@ -1,6 +1,6 @@
 """What a sync moves, per work unit: bytes, writes and destination runs, without copy items.
 
-The network schedule (`weightsync.plan.schedule`) plans at the granularity `build_plan`
+The network schedule (`weightsync.predict.schedule`) plans at the granularity `build_plan`
 assigns sources at, one unit per ``(hf_name, layout_id)``, but keeps only what the network
 sees: the bytes each target of the layout receives for the unit, how many writes carry them,
 its layer and where it lands. That is cheap enough for a 1T-parameter model into a hundred
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.layout import layer_index, rank_layout
+from weightsync.plan import TargetRank
 from weightsync.plan.assign import UnitKey
-from weightsync.plan.types import TargetRank
 
 FP8_BLOCK = 128
 FP8_SCALE_BYTES = 4

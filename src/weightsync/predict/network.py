@@ -1,18 +1,19 @@
-"""A model of the network a sync runs on: NICs per node, NVLink inside a node, fixed costs.
+"""A model of the cluster's network: NICs per node, NVLink inside a node, fixed costs.
 
-Pure arithmetic, no I/O. Trainer GPU ``g`` sits on trainer node ``g // gpus_per_node``;
-rollout GPU ``k`` (the ``k``-th target rank, replica by replica) on rollout node
-``k // gpus_per_node``, a node of its own unless the cluster is colocated (rollout GPU ``k``
-then shares node and NIC with trainer GPU ``k``). The GPUs of a node share its NICs evenly:
-GPU ``i`` of a node uses NIC ``i * nics_per_node // gpus_per_node``, so with fewer NICs than
-GPUs several senders (or receivers) share one. A NIC sends and receives at once (full
-duplex), so each NIC is two ports, one per direction. Two GPUs of one node talk over NVLink,
-a port per GPU and direction at `nvlink_gbps`.
+What a predicted sync runs on; pure arithmetic, no I/O. Trainer GPU ``g`` sits on trainer
+node ``g // gpus_per_node``; rollout GPU ``k`` (the ``k``-th target rank, replica by
+replica) on rollout node ``k // gpus_per_node``, a node of its own unless the cluster is
+colocated (rollout GPU ``k`` then shares node and NIC with trainer GPU ``k``). The GPUs of a
+node share its NICs evenly: GPU ``i`` of a node uses NIC
+``i * nics_per_node // gpus_per_node``, so with fewer NICs than GPUs several senders (or
+receivers) share one. A NIC sends and receives at once (full duplex), so each NIC is two
+ports, one per direction. Two GPUs of one node talk over NVLink, a port per GPU and
+direction at `nvlink_gbps`.
 
 A transfer (one source writing a group of runs into one target) first pays its fixed cost,
 ``message_latency_s + num_writes * write_cost_s`` (plus, where `staging_gbps` is set, the
 source's copy of its bytes into its send buffer), during which its ports carry no bytes,
-then moves its bytes at the rate the simulator gives it (`weightsync.plan.simulator`).
+then moves its bytes at the rate the simulator gives it (`weightsync.predict.simulator`).
 """
 
 from __future__ import annotations

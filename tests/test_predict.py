@@ -14,14 +14,25 @@ from hypothesis import strategies as st
 
 import weightsync
 from weightsync.layout import ParallelismConfig, rank_layout
-from weightsync.plan.cluster import TrainerShape, simulated_holders
-from weightsync.plan.network import NetworkModel
-from weightsync.plan.predict import broadcast_seconds, is_fp8_config, predict_sync
-from weightsync.plan.schedule import network_schedule, round_robin_schedule
-from weightsync.plan.simulate import simulate_targets
-from weightsync.plan.simulator import ideal_lower_bound_s, lower_bound_s, simulate
-from weightsync.plan.traffic import fp8_num_bytes, is_fp8_weight, traffic_units
-from weightsync.plan.transfers import Schedule, Transfer
+from weightsync.plan import simulate_targets
+from weightsync.predict import (
+    NetworkModel,
+    Schedule,
+    TrainerShape,
+    Transfer,
+    broadcast_seconds,
+    fp8_num_bytes,
+    ideal_lower_bound_s,
+    is_fp8_config,
+    is_fp8_weight,
+    lower_bound_s,
+    network_schedule,
+    predict_sync,
+    round_robin_schedule,
+    simulate,
+    simulated_holders,
+    traffic_units,
+)
 from weightsync.testing.presets import preset_config
 
 CONFIGS = Path(weightsync.__file__).parent / "configs"
