@@ -46,7 +46,7 @@ from weightsync.plan import TargetRank, build_plan
 from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import preset_config
 from weightsync.torch_dtypes import torch_dtype
-from weightsync.transport.base import WriteCost, WriteHandle
+from weightsync.transport.base import TransportCapabilities, WriteCost, WriteHandle
 
 HBM_PEAK = 4.8e12
 BLOCK = 128
@@ -153,10 +153,11 @@ class _DeviceCopyTransport:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-
-    def supports_device(self, device: torch.device) -> bool:
-        """The ring may live on the bench's GPU."""
-        return device.type == self.device.type and device.index == self.device.index
+        # The ring may live on the bench's GPU.
+        on_gpu = device.type == "cuda"
+        self.capabilities = TransportCapabilities(
+            reads_cuda=on_gpu, device=device.index if on_gpu else None
+        )
 
     def register(self, addr: int, num_bytes: int) -> None:
         """Nothing to register."""
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_config=fp8, targets=[target], sources=[sender.holding(export)], dtype="bfloat16"
     )
     t0 = time.perf_counter()
-    stats = sender.push(plan.for_source(0), export)
+    stats = sender.push(sender.preflight(plan.for_source(0), export))
     _sync(device)
     push_s = time.perf_counter() - t0
 

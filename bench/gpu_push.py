@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import tempfile
@@ -72,10 +73,9 @@ _LIFECYCLE = (
 class _HostOrdered:
     """A transport as seen without its ``stream_ordered`` capability (for the comparison)."""
 
-    stream_ordered = False
-
     def __init__(self, transport: Any) -> None:
         self._transport = transport
+        self.capabilities = dataclasses.replace(transport.capabilities, stream_ordered=False)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -151,8 +151,8 @@ def _push_sweep(transport: Any, plan: Any, export: Any, repeats: int) -> list[di
         sender = WeightSender(config, transport=transport if ordered else _HostOrdered(transport))
         try:
             sender.holding(export)
-            sender.push(plan, export)  # allocates and registers the ring
-            stats = [sender.push(plan, export) for _ in range(repeats)]
+            sender.push(sender.preflight(plan, export))  # allocates and registers the ring
+            stats = [sender.push(sender.preflight(plan, export)) for _ in range(repeats)]
         finally:
             sender.close()
             if streams > 1:

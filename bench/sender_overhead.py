@@ -31,7 +31,7 @@ from weightsync.layout import hf_tensor_shapes, rank_layout
 from weightsync.plan import TargetRank, build_plan
 from weightsync.sender import SenderConfig, WeightSender
 from weightsync.testing.presets import preset_config
-from weightsync.transport.base import WriteHandle
+from weightsync.transport.base import HOST_ONLY, WriteHandle
 from weightsync.transport.mooncake.engine import DEFAULT_WRITE_COSTS
 
 
@@ -41,6 +41,7 @@ class _NullTransport:
     session_id = "127.0.0.1:1"
     # The push it prices is a Mooncake TCP push: the sender lowers it for that cost.
     write_cost = DEFAULT_WRITE_COSTS["tcp"]
+    capabilities = HOST_ONLY
 
     def __init__(self) -> None:
         self.num_regions = 0
@@ -134,25 +135,25 @@ def main() -> None:
         dtype="bfloat16",
     ).for_source(0)
     t0 = time.perf_counter()
-    first = sender.push(plan, export)  # lowers the program and allocates the ring
+    first = sender.push(sender.preflight(plan, export))  # lowers the program and allocates the ring
     first_s = time.perf_counter() - t0
-    plain.push(plan, export)
+    plain.push(plain.preflight(plan, export))
     if args.profile:
         import cProfile
         import pstats
 
         profiler = cProfile.Profile()
         profiler.enable()
-        sender.push(plan, export)
+        sender.push(sender.preflight(plan, export))
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     times, plain_times, stats = [], [], None
     for _ in range(args.repeat):
         t0 = time.perf_counter()
-        stats = sender.push(plan, export)
+        stats = sender.push(sender.preflight(plan, export))
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        plain.push(plan, export)
+        plain.push(plain.preflight(plan, export))
         plain_times.append(time.perf_counter() - t0)
     if not (stats is not None and stats.cached_program and not first.cached_program):
         raise SystemExit("the repeated pushes did not run the cached program")

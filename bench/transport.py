@@ -213,7 +213,7 @@ def _gpu(total: int, repeat: int, with_mooncake: bool) -> dict[str, Any]:
     }
     if with_mooncake:
         mooncake = MooncakeTransport(MooncakeConfig(timeout_s=TIMEOUT_S))
-        if mooncake.supports_device("cuda"):
+        if mooncake.capabilities.reads("cuda"):
             transports["mooncake_tcp"] = (mooncake, _Peer(2 * total, "mooncake", "cuda:1"))
         else:
             print("Mooncake has no CUDA support here: GPU rows without it", file=sys.stderr)

@@ -74,13 +74,13 @@ def sglang_servers(sglang_checkpoint, tmp_path_factory) -> Iterator[list]:
     """Two real SGLang 0.5.23 servers (tp 1, float32, API key) on this CPU, started together
     (each takes 30-80 s here); the first serves the conformance suite, both the sync tests.
 
-    Skipped with the reason when SGLang's venv is not built (``scripts/setup`` builds it).
+    Skipped with the reason when SGLang's venv is not built (``scripts/setup --tests`` builds it).
     """
     from sglang_cpu.launch import start_sglang, venv_if_built
 
     venv = venv_if_built()
     if venv is None:
-        pytest.skip("real SGLang's venv is not built here: run scripts/setup (setup-sglang)")
+        pytest.skip("real SGLang's venv is not built here: run scripts/setup --tests")
     logs = tmp_path_factory.mktemp("sglang-logs")
     servers: list = []
     errors: list[BaseException] = []

@@ -17,11 +17,12 @@ from fastapi.responses import Response
 
 from weightsync.control import RolloutClient
 from weightsync.errors import RemoteReplicaError
+from weightsync.export import ExportDefaults
 
 TABLE_ENV = "WEIGHTSYNC_FAULT_TABLE"
 
 
-class StallingExport:
+class StallingExport(ExportDefaults):
     """A `WeightExport` that runs `hook` after yielding `after` tensors of `inner` (to stall
     the push, or to break something while it runs), then yields the rest."""
 

@@ -179,7 +179,7 @@ def _send(args: argparse.Namespace) -> None:
             # Writing 5 resets the peak RSS (VmHWM) to the current RSS.
             Path("/proc/self/clear_refs").write_text("5")
         rss_before = _memory_kib("VmRSS")
-        stats = sender.push(plan.for_source(sender.rank), export)
+        stats = sender.push(sender.preflight(plan.for_source(sender.rank), export))
         peak_growth = (_memory_kib("VmHWM") - rss_before) * 1024
         results.append(
             {

@@ -119,12 +119,10 @@ def test_a_replica_that_moves_its_weights_is_refused_before_any_write() -> None:
         calls.append(f"/{route}")
         return {"status": "ok", "success": True, "message": ""}
 
-    async def push(targets, epoch, fences):
-        raise AssertionError("nothing may be written into a refused replica")
-
     async def update(url: str) -> None:
         async with SyncManager([url]) as manager:
-            await manager.update_weights(push)
+            await manager.open_update()
+            raise AssertionError("nothing may be written into a refused replica")
 
     with (
         app_in_thread(app) as url,

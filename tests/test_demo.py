@@ -73,7 +73,7 @@ def test_demo_moe_with_expert_parallelism():
 @pytest.mark.megatron
 def test_demo_megatron_trainer_syncs_from_its_slices():
     if importlib.util.find_spec("megatron") is None:
-        pytest.skip("megatron-core is not installed (scripts/setup installs it)")
+        pytest.skip("megatron-core is not installed (scripts/setup --tests installs it)")
     code, result, stderr = _demo(
         "--trainer", "megatron", "--trainer-ranks", "2", "--trainer-tp", "2", "--steps", "1",
         "--replicas", "1", "--rollout-tp", "1", "--dtype", "fp32",
@@ -100,6 +100,26 @@ def test_demo_refuses_bad_trainer_options(args, option):
     )
     assert proc.returncode == 2
     assert option in proc.stderr
+
+
+def test_demo_megatron_trainer_without_megatron_core_says_how_to_install_it():
+    # As in an environment without megatron-core: no `megatron` package can be imported.
+    run_demo = (
+        "import sys; sys.modules['megatron'] = None; "
+        "sys.argv = ['weightsync', 'demo', '--trainer', 'megatron']; "
+        "from weightsync.cli.main import app; app()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", run_demo],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "500"},
+    )
+    assert proc.returncode == 2
+    assert "./scripts/setup --megatron" in proc.stderr, proc.stderr
+    pip = f"{sys.executable} -m pip install --ignore-requires-python megatron-core=="
+    assert pip in proc.stderr, proc.stderr
 
 
 def test_demo_refuses_bad_options():

@@ -36,13 +36,15 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def begin(self, body: BeginWeightSyncRequest | None) -> JSONResponse:
+    async def begin(
+        self, body: BeginWeightSyncRequest | None, *, framework: bool = False
+    ) -> JSONResponse:
         selector = body.selector if body is not None else None
-        self.calls.append(f"begin {selector}")
+        self.calls.append(f"begin {selector}" + (" (framework)" if framework else ""))
         return JSONResponse({"selector": selector})
 
-    async def end(self, body: EndWeightSyncRequest) -> JSONResponse:
-        self.calls.append(f"end {body.new_version}")
+    async def end(self, body: EndWeightSyncRequest, *, framework: bool = False) -> JSONResponse:
+        self.calls.append(f"end {body.new_version}" + (" (framework)" if framework else ""))
         if body.new_version == "stall":
             # Blocks the server's event loop, as a replica that cannot run (stopped) would.
             time.sleep(0.5)
@@ -55,6 +57,15 @@ def _app(recorder: Recorder) -> DirectApp:
     @app.get("/other")
     async def other() -> dict[str, str]:
         return {"served": "by the framework"}
+
+    # Where the fast path does not answer them (a connection handed to uvicorn for good).
+    @app.post("/begin")
+    async def framework_begin(body: BeginWeightSyncRequest | None = None) -> JSONResponse:
+        return await recorder.begin(body, framework=True)
+
+    @app.post("/end")
+    async def framework_end(body: EndWeightSyncRequest) -> JSONResponse:
+        return await recorder.end(body, framework=True)
 
     app.add_direct_routes(
         (
@@ -154,8 +165,8 @@ def test_another_route_hands_the_connection_to_uvicorn(served) -> None:
     with socket.create_connection(address) as sock:
         sock.sendall(_request("/begin", {"selector": "target"}))
         assert _replies(sock, 1) == [(200, {"selector": "target"})]
-        # A framework route, then a direct one again: uvicorn serves the connection from
-        # the framework route on, its direct layer the direct route.
+        # A framework route, then a direct one again: uvicorn serves the framework route,
+        # then the connection is the fast path's again.
         sock.sendall(_request("/other", method="GET") + _request("/end", {"new_version": "8"}))
         assert _replies(sock, 2) == [
             (200, {"served": "by the framework"}),
@@ -164,7 +175,7 @@ def test_another_route_hands_the_connection_to_uvicorn(served) -> None:
     assert recorder.calls == ["begin target", "end 8"]
 
 
-def test_a_chunked_body_is_answered_by_uvicorn_the_same(served) -> None:
+def test_a_chunked_body_hands_the_connection_to_the_framework(served) -> None:
     address, recorder = served
     body = json.dumps({"new_version": "chunked"}).encode()
     head = (
@@ -174,7 +185,10 @@ def test_a_chunked_body_is_answered_by_uvicorn_the_same(served) -> None:
     with socket.create_connection(address) as sock:
         sock.sendall(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
         assert _replies(sock, 1) == [(200, {"new_version": "chunked"})]
-    assert recorder.calls == ["end chunked"]
+        # uvicorn has the connection for good: its framework routes answer from now on.
+        sock.sendall(_request("/begin", {"selector": "all"}))
+        assert _replies(sock, 1) == [(200, {"selector": "all"})]
+    assert recorder.calls == ["end chunked (framework)", "begin all (framework)"]
 
 
 def test_connection_close_is_honoured(served) -> None:

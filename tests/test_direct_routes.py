@@ -1,9 +1,8 @@
-"""`DirectApp`'s direct routes (`DirectRoutes`, in front of the framework's whole middleware
-stack, and `DirectHttpProtocol`, from a connection's bytes) answer as the framework routes
-over the same handlers do: the same status and body for every request below, good and bad,
-sent over real HTTP to three uvicorn servers (one where FastAPI serves the routes, and two
-where only the direct layer does, whose framework routes fail, so a request it let through
-would be a 500)."""
+"""`DirectApp`'s direct routes, answered on the fast path (`DirectHttpProtocol`, from a
+connection's bytes), answer as the framework routes over the same handlers do: the same
+status and body for every request below, good and bad, sent over real HTTP to three uvicorn
+servers (one where FastAPI serves the routes, and two where only the fast path does, whose
+framework routes fail, so a request it let through would be a 500)."""
 
 from __future__ import annotations
 
@@ -73,7 +72,7 @@ def _direct_app() -> DirectApp:
     app = DirectApp()
     install_error_handler(app)
 
-    # Only there to answer other methods: a request the direct layer let through fails.
+    # Only there to answer other methods: a request the fast path let through fails.
     @app.post("/begin")
     @app.post("/end")
     async def unreachable() -> None:
@@ -86,17 +85,16 @@ def _direct_app() -> DirectApp:
 
 @pytest.fixture(scope="module")
 def urls():
-    """The framework's server, then the direct layer's as ASGI middleware, then the same
-    app served by `DirectHttpProtocol` (the direct routes answered from the bytes) under
-    uvicorn's default loop (uvloop where installed) and under asyncio's."""
+    """The framework's server, then an app with direct routes served by `DirectHttpProtocol`
+    (the direct routes answered from the bytes) under uvicorn's default loop (uvloop where
+    installed) and under asyncio's."""
     served, again = _direct_app(), _direct_app()
     with (
         app_in_thread(_framework_app()) as framework,
-        app_in_thread(_direct_app()) as direct,
         app_in_thread(served, http=direct_protocol(served)) as protocol,
         app_in_thread(again, http=direct_protocol(again), loop="asyncio") as on_asyncio,
     ):
-        yield framework, direct, protocol, on_asyncio
+        yield framework, protocol, on_asyncio
 
 
 NESTED = "[" * 100_000 + "]" * 100_000
@@ -184,9 +182,9 @@ def test_a_direct_route_answers_as_the_framework_route(urls, case) -> None:
         assert "illegal memory access" not in reply.text
 
 
-@pytest.mark.parametrize("served", ["middleware", "protocol"])
-def test_the_api_key_is_checked_before_the_body_is_read(urls, served) -> None:
-    url = urls[1 if served == "middleware" else 2]
+@pytest.mark.parametrize("loop", ["default", "asyncio"])
+def test_the_api_key_is_checked_before_the_body_is_read(urls, loop) -> None:
+    url = urls[1 if loop == "default" else 2]
     reply = httpx.post(url + "/end", content='{"new_version": ', headers=JSON)
     assert reply.status_code == 401
     assert reply.json() == {
@@ -197,8 +195,20 @@ def test_the_api_key_is_checked_before_the_body_is_read(urls, served) -> None:
     }
 
 
-@pytest.mark.parametrize("served", ["middleware", "protocol"])
-def test_other_requests_go_on_to_the_app(urls, served) -> None:
-    url = urls[1 if served == "middleware" else 2]
+@pytest.mark.parametrize("loop", ["default", "asyncio"])
+def test_other_requests_go_on_to_the_app(urls, loop) -> None:
+    url = urls[1 if loop == "default" else 2]
     assert httpx.get(url + "/end", headers=AUTH).status_code == 405
     assert httpx.post(url + "/elsewhere", headers=AUTH).status_code == 404
+
+
+def test_a_direct_route_needs_a_framework_route_over_the_same_handler() -> None:
+    app = DirectApp()
+
+    @app.post("/begin")
+    async def framework_begin(body: BeginWeightSyncRequest | None = None) -> JSONResponse:
+        return await begin(body)
+
+    with pytest.raises(ValueError, match=r"\['/end'\] have no POST route"):
+        app.add_direct_routes(ROUTES, api_key=KEY)
+    assert app.direct_routes is None

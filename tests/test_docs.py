@@ -1,6 +1,7 @@
 """The user guide: it builds with ``mkdocs build --strict``, its Python snippets run against
-the library (and a real replica where they sync), its plots are what their data draws, and
-every row of ``weightsync doctor`` has its troubleshooting entry.
+the library (and a real replica where they sync), its plots are what their data draws,
+every row of ``weightsync doctor`` has its troubleshooting entry, and the wire protocol page
+names every route, field and capability the reference server serves.
 
 Every ```` ```python ```` block of a page runs, in order, in one namespace per page; a page
 whose snippets name ``checkpoint``, ``urls`` or ``api_key`` gets them from a real replica of
@@ -11,6 +12,7 @@ framework) is fenced ```` ```py ````, which renders the same and is not run.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import runpy
@@ -22,6 +24,7 @@ import pytest
 
 from servers import start_replicas
 from weightsync.cli.doctor_checks import HOST_CHECKS, REPLICA_CHECKS
+from weightsync.control import protocol
 from weightsync.testing.presets import preset_config, write_random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,8 +40,8 @@ API_KEY = "docs-snippet-key"
 def _need_mkdocs() -> None:
     if importlib.util.find_spec("mkdocs") is None:
         if os.environ.get("CI"):
-            pytest.fail("mkdocs is not installed: scripts/setup installs the [docs] extra")
-        pytest.skip("mkdocs is not installed here (scripts/setup installs it)")
+            pytest.fail("mkdocs is not installed: scripts/setup --tests installs the [docs] extra")
+        pytest.skip("mkdocs is not installed here (scripts/setup --tests installs it)")
 
 
 def test_the_guide_builds_with_strict_checks(tmp_path):
@@ -92,3 +95,24 @@ def test_the_plots_are_what_their_data_draws():
 def test_every_doctor_check_has_a_troubleshooting_entry_in_order():
     headings = re.findall(r"^### (.+)$", (DOCS / "troubleshooting.md").read_text(), re.M)
     assert headings == [*HOST_CHECKS, *REPLICA_CHECKS]
+
+
+def test_the_protocol_page_names_every_route_field_and_capability():
+    page = (DOCS / "protocol.md").read_text()
+    openapi = json.loads((ROOT / "tests" / "openapi_main.json").read_text())
+    routes = [path for path in openapi["paths"] if not re.search(re.escape(path) + r"[`?]", page)]
+    assert not routes, f"docs/protocol.md does not name the routes {routes}"
+    fields = [
+        f"{name}.{field}"
+        for name, schema in openapi["components"]["schemas"].items()
+        if "ValidationError" not in name
+        for field in schema.get("properties", {})
+        if f'"{field}"' not in page and f"`{field}`" not in page
+    ]
+    assert not fields, f"docs/protocol.md does not name the fields {fields}"
+    capabilities = [
+        value
+        for name, value in vars(protocol).items()
+        if name.isupper() and isinstance(value, str) and f"`{value}`" not in page
+    ]
+    assert not capabilities, f"docs/protocol.md does not name the capabilities {capabilities}"

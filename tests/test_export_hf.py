@@ -9,7 +9,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from weightsync.export import ModelExport, TensorsExport, hf_state_items
+from weightsync.export import (
+    ExportDefaults,
+    Fp8Export,
+    ModelExport,
+    TensorsExport,
+    WeightExport,
+    hf_state_items,
+)
 from weightsync.layout import hf_tensor_shapes
 from weightsync.plan import simulate_sources, stage_layers
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
@@ -182,3 +189,31 @@ def test_a_pinned_export_reads_its_memory_key_once_and_keeps_its_holding() -> No
     tensors["b"] = torch.ones(8)
     assert export.holding() is not first
     assert export.geometry_key != key
+
+
+def test_every_export_declares_the_optional_parts_of_the_protocol() -> None:
+    class Bare(ExportDefaults):
+        """An export of its own: the three it must give, the rest from the defaults."""
+
+        def holding(self):
+            return {}
+
+        def geometry(self):
+            return TensorsExport({}).geometry()
+
+        def __iter__(self):
+            return iter(())
+
+    views = TensorsExport({"model.norm.weight": torch.ones(8)})
+    fp8 = Fp8Export(views, block=4)
+    for export in (views, fp8, Bare()):
+        assert isinstance(export, WeightExport)
+        export.begin_push()
+        with export.pinned():
+            export.geometry()
+    # A stream of views of persistent memory is replayed under its memory key; one that
+    # computes its tensors (FP8 codes, filled per push) never is.
+    assert views.geometry_key is not None
+    assert fp8.geometry_key is None and Bare().geometry_key is None
+    # Without them an object is no export.
+    assert not isinstance(object(), WeightExport)

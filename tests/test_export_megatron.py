@@ -183,7 +183,7 @@ def _sync(rank, group, trainer, export, oracle, replica: dict, folder: str, drif
 @pytest.fixture(scope="module")
 def megatron_runs(tmp_path_factory) -> list[dict]:
     if importlib.util.find_spec("megatron") is None:
-        pytest.skip("megatron-core is not installed (scripts/setup installs it)")
+        pytest.skip("megatron-core is not installed (scripts/setup --tests installs it)")
     tmp = str(tmp_path_factory.mktemp("megatron"))
     return run_in_process_group(WORLD, _megatron_rank, list(CASES), tmp, timeout_s=900)
 

@@ -30,10 +30,15 @@ from faults import HookedTransport, StallingExport
 from weightsync.errors import TensorChangedError, TransferError
 from weightsync.export import ModelExport, TensorsExport
 from weightsync.plan import SourceHolding, TargetRank, build_plan
-from weightsync.sender import SenderConfig, WeightSender
+from weightsync.sender import CheckedPush, SenderConfig, WeightSender
 from weightsync.sender.pins import PushPins, counted
 from weightsync.testing.presets import preset_config, random_model
-from weightsync.transport import MooncakeConfig, MooncakeTransport
+from weightsync.transport import (
+    HOST_ONLY,
+    MooncakeConfig,
+    MooncakeTransport,
+    TransportCapabilities,
+)
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -160,7 +165,7 @@ def test_push_fp32_into_bf16_tp2_is_bit_exact(receiver: Receiver, transport) -> 
     sender = WeightSender(_config(), transport=transport)
     export = ModelExport(random_model(TINY, seed=1))
     plan = _plan_for(sender, export, receiver, "tiny")
-    stats = sender.push(plan.for_source(0), export)
+    stats = sender.push(sender.preflight(plan.for_source(0), export))
     _assert_exact(receiver, "tiny", seed=1)
 
     source_plan = plan.for_source(0)
@@ -175,7 +180,7 @@ def test_push_fp32_into_bf16_tp2_is_bit_exact(receiver: Receiver, transport) -> 
 
     # New weights through the same plan and staging ring.
     model = random_model(TINY, seed=2)
-    sender.push(plan.for_source(0), ModelExport(model))
+    sender.push(sender.preflight(plan.for_source(0), ModelExport(model)))
     _assert_exact(receiver, "tiny", seed=2)
 
     # Around a checkpoint save: the staging memory goes away and comes back.
@@ -184,11 +189,51 @@ def test_push_fp32_into_bf16_tp2_is_bit_exact(receiver: Receiver, transport) -> 
     sender.restore()
     assert sender.staging_bytes == 2 * (64 << 20)
     receiver.call(cmd="fill", group="tiny", value=7.0)
-    sender.push(plan.for_source(0), ModelExport(model))
+    sender.push(sender.preflight(plan.for_source(0), ModelExport(model)))
     _assert_exact(receiver, "tiny", seed=2)
     sender.close()
     with pytest.raises(ValueError, match="closed"):
-        sender.push(plan.for_source(0), ModelExport(model))
+        sender.push(sender.preflight(plan.for_source(0), ModelExport(model)))
+
+
+def test_a_push_takes_the_latest_preflight_of_its_own_sender_once(
+    receiver: Receiver, transport
+) -> None:
+    receiver.call(cmd="fill", group="tiny", value=7.0)
+    sender = WeightSender(_config(), transport=transport)
+    other = WeightSender(_config(), transport=transport)
+    export = ModelExport(random_model(TINY, seed=3))
+    plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
+    checked = sender.preflight(plan, export)
+    assert isinstance(checked, CheckedPush) and checked.sender is sender
+    assert checked.plan is plan and checked.export is export and not checked.cached
+    assert len(checked.programs) == 1
+    with pytest.raises(ValueError, match="another WeightSender"):
+        other.push(checked)
+    with pytest.raises(ValueError, match="takes the CheckedPush"):
+        sender.push(plan)
+    sender.push(checked)
+    _assert_exact(receiver, "tiny", seed=3)
+    with pytest.raises(ValueError, match="pushed already"):
+        sender.push(checked)
+    stale = sender.preflight(plan, export)
+    fresh = sender.preflight(plan, export)
+    assert fresh.cached and fresh.programs[0] is checked.programs[0]
+    with pytest.raises(ValueError, match="a later preflight"):
+        sender.push(stale)
+    assert sender.push(fresh).cached_program
+    sender.close()
+    other.close()
+
+
+def test_a_transport_that_says_it_maps_memory_must_map_it(transport) -> None:
+    class Claims:
+        session_id = transport.session_id
+        write_cost = transport.write_cost
+        capabilities = TransportCapabilities(reads_cuda=True, device=0, maps_device_memory=True)
+
+    with pytest.raises(ValueError, match="maps_device_memory, but it has no local_address"):
+        WeightSender(_config(), transport=Claims())
 
 
 @pytest.mark.parametrize(
@@ -206,7 +251,7 @@ def test_the_senders_digests_are_what_the_receiver_holds(
     plans, exports = _split_sources(sender, model, receiver, group, num_sources)
     totals: dict[str, dict[str, int]] = {}
     for plan, export in zip(plans, exports, strict=True):
-        stats = sender.push(plan, export)
+        stats = sender.push(sender.preflight(plan, export))
         for session_id, digests in stats.digests.items():
             for name, value in digests.items():
                 totals.setdefault(session_id, {})[name] = (
@@ -280,7 +325,7 @@ def test_sources_holding_slices_write_them_bit_exact(
     sender = WeightSender(_config(bucket_bytes=1 << 20), transport=transport)
     written = 0
     for rank, export in enumerate(exports):
-        stats = sender.push(plan.for_source(rank), export)
+        stats = sender.push(sender.preflight(plan.for_source(rank), export))
         assert stats.bytes_written == plan.for_source(rank).num_bytes_written
         written += stats.bytes_written
     assert written == plan.num_bytes_written
@@ -296,7 +341,7 @@ def test_small_buckets_split_items_over_many_slots(receiver: Receiver, transport
     )
     export = ModelExport(random_model(TINY, seed=4))
     plan = _plan_for(sender, export, receiver, "tiny")
-    stats = sender.push(plan.for_source(0), export)
+    stats = sender.push(sender.preflight(plan.for_source(0), export))
     _assert_exact(receiver, "tiny", seed=4)
     # Every slot but the last per layout is full; the embedding shard alone is 64 KiB.
     assert stats.num_buckets >= stats.bytes_staged // 4096
@@ -309,7 +354,7 @@ def test_moe_experts_go_out_as_few_large_writes(receiver: Receiver, transport) -
     sender = WeightSender(_config(), transport=transport)
     export = ModelExport(random_model(MOE, seed=5))
     plan = _plan_for(sender, export, receiver, "moe")
-    stats = sender.push(plan.for_source(0), export)
+    stats = sender.push(sender.preflight(plan.for_source(0), export))
     _assert_exact(receiver, "moe", seed=5)
     targets = receiver.target_ranks("moe")
     num_params = sum(len(t.weights_info) for t in targets)
@@ -358,12 +403,12 @@ def test_bad_stream_fails_before_any_write(receiver: Receiver, transport) -> Non
 
     missing = "model.layers.2.mlp.down_proj.weight"
     with pytest.raises(ValueError, match=f"stream lacks '{missing}'"):
-        sender.push(plan, _without(export, missing))
+        sender.push(sender.preflight(plan, _without(export, missing)))
     wrong = "model.layers.1.self_attn.q_proj.weight"
     with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(65, 64\).*\(64, 64\)"):
-        sender.push(plan, _reshaped(export, wrong, rows=1))
+        sender.push(sender.preflight(plan, _reshaped(export, wrong, rows=1)))
     with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(63, 64\).*\(64, 64\)"):
-        sender.push(plan, _reshaped(export, wrong, rows=-1))
+        sender.push(sender.preflight(plan, _reshaped(export, wrong, rows=-1)))
     with pytest.raises(ValueError, match="takes a WeightExport"):
         sender.holding([("x", torch.zeros(1))])
     assert receiver.call(cmd="unchanged", group="tiny", value=5.0)["changed"] == []
@@ -378,7 +423,7 @@ def test_plan_boxes_are_checked_against_the_geometry(receiver: Receiver, transpo
     # A plan built without declared shapes still refuses a tensor too small for its boxes.
     bare = dataclasses.replace(plan, shapes={})
     with pytest.raises(ValueError, match=rf"'{wrong}' has shape \(63, 64\).*reads box"):
-        sender.push(bare, _reshaped(export, wrong, rows=-1))
+        sender.push(sender.preflight(bare, _reshaped(export, wrong, rows=-1)))
     sender.close()
 
 
@@ -391,9 +436,9 @@ def test_an_export_that_lies_about_its_geometry_is_stopped_at_that_tensor(
     plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
     name = "model.layers.3.self_attn.o_proj.weight"
     with pytest.raises(ValueError, match=rf"'{name}' lies in memory as .* must match its geometry"):
-        sender.push(plan, _LyingExport(export, name))
+        sender.push(sender.preflight(plan, _LyingExport(export, name)))
     # The sender is fine afterwards.
-    sender.push(plan, export)
+    sender.push(sender.preflight(plan, export))
     _assert_exact(receiver, "tiny", seed=6)
     sender.close()
 
@@ -408,7 +453,7 @@ def test_dead_receiver_raises_transfer_error_naming_it(receiver: Receiver, trans
     holdings = sender.gather_holdings(export)
     plan = build_plan(hf_config=TINY, targets=targets, sources=holdings, dtype="bfloat16")
     with pytest.raises(TransferError) as caught:
-        sender.push(plan.for_source(0), export)
+        sender.push(sender.preflight(plan.for_source(0), export))
     session = targets[0].session_id
     assert caught.value.target_session == session
     assert f"replica doomed rank 0 (session {session})" in str(caught.value)
@@ -417,7 +462,7 @@ def test_dead_receiver_raises_transfer_error_naming_it(receiver: Receiver, trans
     # The sender is still usable for live targets.
     receiver.call(cmd="fill", group="tiny", value=7.0)
     live = _plan_for(sender, export, receiver, "tiny")
-    sender.push(live.for_source(0), export)
+    sender.push(sender.preflight(live.for_source(0), export))
     _assert_exact(receiver, "tiny", seed=7)
     sender.close()
 
@@ -520,6 +565,10 @@ class _StagingProbe:
     def write_cost(self):
         return self._inner.write_cost
 
+    @property
+    def capabilities(self):
+        return HOST_ONLY
+
     def register(self, addr: int, num_bytes: int) -> None:
         self._inner.register(addr, num_bytes)
         ctypes.memset(addr, 0xFF, num_bytes)
@@ -559,7 +608,7 @@ def test_one_bucket_push_writes_its_first_chunk_before_the_rest_is_filled(
             _config(bucket_bytes=bucket, chunk_bytes=chunk_bytes), transport=probe
         )
         plan = _plan_for(sender, export, receiver, "large")
-        stats = sender.push(plan.for_source(0), export)
+        stats = sender.push(sender.preflight(plan.for_source(0), export))
         _assert_exact(receiver, "large", seed=10)
         sender.close()
         assert stats.num_buckets == 1 and stats.bytes_staged > 100e6
@@ -592,13 +641,13 @@ def test_streamed_bucket_with_a_bad_last_tensor_writes_nothing(
     last, tensor = list(export)[-1]
     rows = tensor.shape[0]
     with pytest.raises(ValueError, match=rf"'{last}' has shape \({rows + 1}, "):
-        sender.push(plan, _reshaped(export, last, rows=1))
+        sender.push(sender.preflight(plan, _reshaped(export, last, rows=1)))
     meta = ModelExport({n: t.to("meta") if n == last else t for n, t in export})
     with pytest.raises(ValueError, match=rf"'{last}' .* is a torch.strided tensor on meta"):
-        sender.push(plan, meta)
+        sender.push(sender.preflight(plan, meta))
     assert receiver.call(cmd="unchanged", group="large", value=5.0)["changed"] == []
     # The same sender streams the good tensors afterwards.
-    stats = sender.push(plan, export)
+    stats = sender.push(sender.preflight(plan, export))
     assert stats.num_buckets == 1 and stats.num_chunks > 50
     _assert_exact(receiver, "large", seed=11)
     sender.close()
@@ -631,19 +680,19 @@ def test_second_push_runs_the_cached_program_and_lands_new_weights(
     model = random_model(config, seed=31)
     export = ModelExport(model)
     plan = _plan_for(sender, export, receiver, group).for_source(0)
-    first = sender.push(plan, export)
+    first = sender.push(sender.preflight(plan, export))
     assert not first.cached_program
     _assert_exact(receiver, group, seed=31)
     for seed in (32, 33):
         _load(model, seed, config)
-        stats = sender.push(plan, export)
+        stats = sender.push(sender.preflight(plan, export))
         assert stats.cached_program
         _assert_exact(receiver, group, seed=seed)
         for field in ("bytes_staged", "bytes_written", "num_writes", "num_chunks", "num_copies"):
             assert getattr(stats, field) == getattr(first, field), field
         assert stats.bytes_per_target == first.bytes_per_target
     # A new model object with the same shapes runs it too (other storage, same geometry).
-    stats = sender.push(plan, ModelExport(random_model(config, seed=34)))
+    stats = sender.push(sender.preflight(plan, ModelExport(random_model(config, seed=34))))
     assert stats.cached_program
     _assert_exact(receiver, group, seed=34)
     sender.close()
@@ -661,17 +710,17 @@ def test_changed_geometry_gets_a_new_program_before_the_push(receiver: Receiver,
     sender = WeightSender(_config(bucket_bytes=8 << 10), transport=transport)
     model = random_model(TINY, seed=41)
     plan = _plan_for(sender, ModelExport(model), receiver, "tiny").for_source(0)
-    sender.push(plan, ModelExport(model))
+    sender.push(sender.preflight(plan, ModelExport(model)))
 
     # The last two tensors swapped: a new program, then cached.
     for seed, cached in ((42, False), (43, True)):
         _load(model, seed, TINY)
-        stats = sender.push(plan, _swapped(model))
+        stats = sender.push(sender.preflight(plan, _swapped(model)))
         assert stats.cached_program is cached
         _assert_exact(receiver, "tiny", seed=seed)
     # The original order's program is still cached.
     _load(model, 44, TINY)
-    assert sender.push(plan, ModelExport(model)).cached_program
+    assert sender.push(sender.preflight(plan, ModelExport(model))).cached_program
     _assert_exact(receiver, "tiny", seed=44)
 
     # Same values, one tensor with other strides (a transposed copy viewed back).
@@ -679,7 +728,7 @@ def test_changed_geometry_gets_a_new_program_before_the_push(receiver: Receiver,
     stream = dict(ModelExport(model))
     name = next(n for n, t in stream.items() if t.dim() == 2)
     stream[name] = stream[name].t().contiguous().t()
-    stats = sender.push(plan, ModelExport(stream))
+    stats = sender.push(sender.preflight(plan, ModelExport(stream)))
     assert not stats.cached_program
     _assert_exact(receiver, "tiny", seed=45)
     sender.close()
@@ -706,17 +755,17 @@ def test_non_finite_values_are_refused_on_the_first_push(receiver: Receiver, tra
         tensors[name] = tensors[name].clone()
         tensors[name][3, 5] = bad
         with pytest.raises(ValueError, match=r"o_proj.weight. holds values that are not finite"):
-            sender.push(plan, ModelExport(tensors))
+            sender.push(sender.preflight(plan, ModelExport(tensors)))
     assert receiver.call(cmd="unchanged", group="tiny", value=5.0)["changed"] == []
-    sender.push(plan, ModelExport(model))
+    sender.push(sender.preflight(plan, ModelExport(model)))
     _assert_exact(receiver, "tiny", seed=61)
     # After a good push the check is off (check_finite="first"); "always" keeps it.
-    sender.push(plan, ModelExport(tensors))
+    sender.push(sender.preflight(plan, ModelExport(tensors)))
     always = WeightSender(_config(check_finite="always"), transport=transport)
-    sender.push(plan, ModelExport(model))
-    always.push(plan, ModelExport(model))
+    sender.push(sender.preflight(plan, ModelExport(model)))
+    always.push(always.preflight(plan, ModelExport(model)))
     with pytest.raises(ValueError, match="not finite"):
-        always.push(plan, ModelExport(tensors))
+        always.push(always.preflight(plan, ModelExport(tensors)))
     always.close()
     sender.close()
 
@@ -741,7 +790,7 @@ def test_tensors_in_the_rollout_dtype_go_direct_from_registered_memory(
     sender = WeightSender(_config(), transport=transport)
     export = ModelExport(_bf16_model(config, seed=51))
     plan = _plan_for(sender, export, receiver, group).for_source(0)
-    stats = sender.push(plan, export)
+    stats = sender.push(sender.preflight(plan, export))
     _assert_exact(receiver, group, seed=51)
     # Over TCP, rows of a row-parallel slice are staged (a write each would cost more than
     # the copy saves), and so are small pieces that continue a neighbour's destination (an
@@ -755,14 +804,14 @@ def test_tensors_in_the_rollout_dtype_go_direct_from_registered_memory(
     # The same push staged: the same bytes land, the digests agree.
     receiver.call(cmd="fill", group=group, value=7.0)
     staged = WeightSender(_config(direct="never"), transport=transport)
-    again = staged.push(plan, export)
+    again = staged.push(staged.preflight(plan, export))
     _assert_exact(receiver, group, seed=51)
     assert (again.bytes_direct, again.bytes_staged) == (0, plan.num_bytes_staged)
     assert again.digests == stats.digests
     # Every piece that can go direct does: a row-parallel slice goes out as a write per row.
     receiver.call(cmd="fill", group=group, value=7.0)
     rows = WeightSender(_config(direct="always"), transport=transport)
-    every = rows.push(plan, export)
+    every = rows.push(rows.preflight(plan, export))
     _assert_exact(receiver, group, seed=51)
     assert every.bytes_direct > stats.bytes_direct and every.digests == stats.digests
     assert every.num_writes > stats.num_writes
@@ -780,14 +829,14 @@ def test_a_direct_push_is_replayed_and_captured_again_after_a_parameter_moved(
     model = _bf16_model(LARGE, seed=61)
     export = ModelExport(model)
     plan = _plan_for(sender, export, receiver, "large").for_source(0)
-    first = sender.push(plan, export)
+    first = sender.push(sender.preflight(plan, export))
     assert not first.replayed and first.bytes_staged == 0
     assert sender.staging_bytes == 0  # nothing staged: no ring was allocated
     _assert_exact(receiver, "large", seed=61)
 
     _load(model, 62, LARGE)
     receiver.call(cmd="fill", group="large", value=7.0)
-    replayed = sender.push(plan, export)
+    replayed = sender.push(sender.preflight(plan, export))
     assert replayed.replayed and replayed.cached_program
     _assert_exact(receiver, "large", seed=62)
     assert replayed.digests == receiver.call(cmd="digests", group="large")
@@ -801,21 +850,21 @@ def test_a_direct_push_is_replayed_and_captured_again_after_a_parameter_moved(
     assert param.data_ptr() != old_address
     _load(model, 63, LARGE)
     receiver.call(cmd="fill", group="large", value=7.0)
-    moved = sender.push(plan, export)
+    moved = sender.push(sender.preflight(plan, export))
     assert moved.cached_program and not moved.replayed
     _assert_exact(receiver, "large", seed=63)
     # ... and that capture is what the following push replays, from the new address.
     _load(model, 64, LARGE)
     receiver.call(cmd="fill", group="large", value=7.0)
-    again = sender.push(plan, export)
+    again = sender.push(sender.preflight(plan, export))
     assert again.replayed
     _assert_exact(receiver, "large", seed=64)
     assert again.digests == receiver.call(cmd="digests", group="large")
 
     # Without replay every push reads the stream.
     plain = WeightSender(_config(replay=False), transport=transport)
-    assert not plain.push(plan, export).replayed
-    assert not plain.push(plan, export).replayed
+    assert not plain.push(plain.preflight(plan, export)).replayed
+    assert not plain.push(plain.preflight(plan, export)).replayed
     _assert_exact(receiver, "large", seed=64)
     plain.close()
     sender.close()
@@ -851,11 +900,11 @@ def test_a_tensor_changed_while_the_push_reads_it_fails_the_push_naming_it(
     with pytest.raises(
         TensorChangedError, match=f"'{name}' changed while a push read it"
     ) as caught:
-        sender.push(plan, StallingExport(export, after=10, hook=step))
+        sender.push(sender.preflight(plan, StallingExport(export, after=10, hook=step)))
     assert caught.value.hf_name == name and caught.value.rank == 0
 
     _load(model, 92, config)
-    stats = sender.push(plan, export)
+    stats = sender.push(sender.preflight(plan, export))
     _assert_exact(receiver, group, seed=92)
     if path == "staged":
         assert stats.bytes_direct == 0 and stats.bytes_staged > 0
@@ -875,9 +924,9 @@ def test_a_tensor_changed_on_another_thread_during_a_replay_fails_it(receiver: R
         model = _bf16_model(LARGE, seed=93)
         export = ModelExport(model)
         plan = _plan_for(sender, export, receiver, "large").for_source(0)
-        assert not sender.push(plan, export).replayed
+        assert not sender.push(sender.preflight(plan, export)).replayed
         _load(model, 94, LARGE)
-        assert sender.push(plan, export).replayed
+        assert sender.push(sender.preflight(plan, export)).replayed
         _assert_exact(receiver, "large", seed=94)
 
         name = "model.layers.3.mlp.down_proj.weight"
@@ -894,11 +943,11 @@ def test_a_tensor_changed_on_another_thread_during_a_replay_fails_it(receiver: R
 
         hooked.arm(step_elsewhere)
         with pytest.raises(TensorChangedError, match=f"'{name}' changed") as caught:
-            sender.push(plan, export)
+            sender.push(sender.preflight(plan, export))
         assert hooked.fired == 1 and caught.value.hf_name == name
 
         _load(model, 95, LARGE)
-        again = sender.push(plan, export)
+        again = sender.push(sender.preflight(plan, export))
         assert again.replayed
         _assert_exact(receiver, "large", seed=95)
         sender.close()
@@ -915,7 +964,7 @@ def test_inference_tensors_are_pushed_unpinned(receiver: Receiver, transport) ->
     sender = WeightSender(_config(), transport=transport)
     export = TensorsExport(state)
     plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
-    sender.push(plan, export)
+    sender.push(sender.preflight(plan, export))
     _assert_exact(receiver, "tiny", seed=96)
     sender.close()
 

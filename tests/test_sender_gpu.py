@@ -66,7 +66,7 @@ def test_cuda_tensors_stage_on_the_gpu(gpu_receiver: Receiver, ipc, group: str) 
     sender = WeightSender(_config(bucket_bytes=1 << 16, chunk_bytes=4096), transport=ipc)
     export = ModelExport(random_model(MODELS[group], seed=11).to("cuda:0"))
     plan = _plan_for(sender, export, gpu_receiver, group)
-    stats = sender.push(plan.for_source(0), export)
+    stats = sender.push(sender.preflight(plan.for_source(0), export))
     _assert_exact(gpu_receiver, group, seed=11)
     assert sender.staging_device == torch.device("cuda", 0)
     assert stats.num_buckets > 2  # small slots: the ring wraps around
@@ -86,7 +86,7 @@ def test_repeated_pushes_through_a_small_gpu_ring(gpu_receiver: Receiver, ipc) -
         export = ModelExport(random_model(TINY, seed=seed).to("cuda:0"))
         if plan is None:
             plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
-        stats = sender.push(plan, export)
+        stats = sender.push(sender.preflight(plan, export))
         assert stats.num_buckets > 4
         assert stats.cached_program is (seed != 21)
         _assert_exact(gpu_receiver, "tiny", seed=seed)
@@ -100,13 +100,15 @@ def test_host_staging_from_cuda_tensors(gpu_receiver: Receiver, ipc) -> None:
     )
     export = ModelExport(random_model(TINY, seed=12).to("cuda:0"))
     plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
-    stats = sender.push(plan, export)
+    stats = sender.push(sender.preflight(plan, export))
     assert stats.num_chunks > stats.num_buckets
     _assert_exact(gpu_receiver, "tiny", seed=12)
     assert sender.staging_device == torch.device("cpu")
     # The cached program waits on the host for the device-to-host copies, as the first did.
     gpu_receiver.call(cmd="fill", group="tiny", value=7.0)
-    stats = sender.push(plan, ModelExport(random_model(TINY, seed=14).to("cuda:0")))
+    stats = sender.push(
+        sender.preflight(plan, ModelExport(random_model(TINY, seed=14).to("cuda:0")))
+    )
     assert stats.cached_program
     _assert_exact(gpu_receiver, "tiny", seed=14)
     sender.close()
@@ -121,14 +123,14 @@ def test_cuda_tensors_over_mooncake() -> None:
         sender = WeightSender(_config(), transport=transport)
         export = ModelExport(random_model(TINY, seed=13).to("cuda:0"))
         plan = _plan_for(sender, export, receiver, "tiny").for_source(0)
-        sender.push(plan, export)
+        sender.push(sender.preflight(plan, export))
         _assert_exact(receiver, "tiny", seed=13)
         receiver.call(cmd="fill", group="tiny", value=7.0)
         assert sender.push(
-            plan, ModelExport(random_model(TINY, seed=15).to("cuda:0"))
+            sender.preflight(plan, ModelExport(random_model(TINY, seed=15).to("cuda:0")))
         ).cached_program
         _assert_exact(receiver, "tiny", seed=15)
-        expected = "cuda" if transport.supports_device(torch.device("cuda", 0)) else "cpu"
+        expected = "cuda" if transport.capabilities.reads("cuda", 0) else "cpu"
         assert sender.staging_device.type == expected
         sender.close()
     finally:
@@ -146,14 +148,14 @@ def test_a_direct_push_is_a_cuda_graph_captured_again_after_a_parameter_moved(
     model = random_model(LARGE, seed=71).to(device="cuda:0", dtype=torch.bfloat16)
     export = ModelExport(model)
     plan = _plan_for(sender, export, gpu_receiver, "large").for_source(0)
-    first = sender.push(plan, export)
+    first = sender.push(sender.preflight(plan, export))
     assert first.bytes_staged == 0 and first.bytes_direct == plan.num_bytes_staged
     assert not first.replayed and sender.staging_bytes == 0
     _assert_exact(gpu_receiver, "large", seed=71)
     for seed in (72, 73):
         _load(model, seed, LARGE)
         gpu_receiver.call(cmd="fill", group="large", value=7.0)
-        stats = sender.push(plan, export)
+        stats = sender.push(sender.preflight(plan, export))
         assert stats.replayed
         _assert_exact(gpu_receiver, "large", seed=seed)
         assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
@@ -164,7 +166,7 @@ def test_a_direct_push_is_a_cuda_graph_captured_again_after_a_parameter_moved(
     for seed, replayed in ((74, False), (75, True)):
         _load(model, seed, LARGE)
         gpu_receiver.call(cmd="fill", group="large", value=7.0)
-        stats = sender.push(plan, export)
+        stats = sender.push(sender.preflight(plan, export))
         assert stats.replayed is replayed
         _assert_exact(gpu_receiver, "large", seed=seed)
         assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
@@ -178,13 +180,14 @@ def test_a_replayed_push_may_return_with_its_copies_in_flight(gpu_receiver: Rece
     model = random_model(LARGE, seed=81).to(device="cuda:0", dtype=torch.bfloat16)
     export = ModelExport(model)
     plan = _plan_for(sender, export, gpu_receiver, "large").for_source(0)
-    first = sender.push(plan, export, wait=False)  # captured, not replayed: it waits
+    # Captured, not replayed: it waits.
+    first = sender.push(sender.preflight(plan, export), wait=False)
     assert not first.in_flight and first.events == ()
     _assert_exact(gpu_receiver, "large", seed=81)
     for seed in (82, 83):
         _load(model, seed, LARGE)
         gpu_receiver.call(cmd="fill", group="large", value=7.0)
-        stats = sender.push(plan, export, wait=False)
+        stats = sender.push(sender.preflight(plan, export), wait=False)
         assert stats.replayed and stats.in_flight
         assert len(stats.events) == 1 and len(bytes.fromhex(stats.events[0])) == 64
         # The digests were read while the copies may still run; they are the landed bytes'.
@@ -194,10 +197,10 @@ def test_a_replayed_push_may_return_with_its_copies_in_flight(gpu_receiver: Rece
         assert stats.digests == gpu_receiver.call(cmd="digests", group="large")
     # One event for the sender's device: its handle stays the same from push to push.
     _load(model, 84, LARGE)
-    again = sender.push(plan, export, wait=False)
+    again = sender.push(sender.preflight(plan, export), wait=False)
     assert again.events == stats.events
     # Nothing waited for it: the next push does, and a push that waits leaves nothing.
-    done = sender.push(plan, export)
+    done = sender.push(sender.preflight(plan, export))
     assert done.replayed and not done.in_flight
     _assert_exact(gpu_receiver, "large", seed=84)
     sender.close()
@@ -212,7 +215,7 @@ def test_row_parallel_slices_are_pitched_copies_into_mapped_memory(
     sender = WeightSender(_config(), transport=ipc)
     export = ModelExport(random_model(TINY, seed=81).to(device="cuda:0", dtype=torch.bfloat16))
     plan = _plan_for(sender, export, gpu_receiver, "tiny").for_source(0)
-    stats = sender.push(plan, export)
+    stats = sender.push(sender.preflight(plan, export))
     _assert_exact(gpu_receiver, "tiny", seed=81)
     padding = sum(
         item.num_bytes
@@ -246,13 +249,13 @@ def test_a_tensor_changed_while_its_copies_run_fails_the_push_or_its_landing(
             tensor.mul_(0.5)
 
     with pytest.raises(TensorChangedError, match=f"'{name}' changed") as caught:
-        sender.push(plan, StallingExport(export, after=index + 6, hook=step))
+        sender.push(sender.preflight(plan, StallingExport(export, after=index + 6, hook=step)))
     assert caught.value.hf_name == name
 
     _load(model, 102, LARGE)
-    assert not sender.push(plan, export).replayed  # streamed again, and captured
+    assert not sender.push(sender.preflight(plan, export)).replayed  # streamed again, and captured
     _load(model, 103, LARGE)
-    stats = sender.push(plan, export, wait=False)
+    stats = sender.push(sender.preflight(plan, export), wait=False)
     assert stats.replayed and stats.in_flight
     thread = threading.Thread(target=step)  # a step on another thread, copies in flight
     thread.start()
@@ -263,7 +266,7 @@ def test_a_tensor_changed_while_its_copies_run_fails_the_push_or_its_landing(
     # Steps between pushes are no fault, with or without the copies left in flight.
     for seed, wait in ((104, True), (105, False)):
         _load(model, seed, LARGE)
-        stats = sender.push(plan, export, wait=wait)
+        stats = sender.push(sender.preflight(plan, export), wait=wait)
         assert stats.replayed and stats.in_flight is not wait
         sender.wait_landed()
         _assert_exact(gpu_receiver, "large", seed=seed)

@@ -56,7 +56,7 @@ def test_mooncake_transport_for_a_cpu_rank():
     transport = rank_transport(config, torch.device("cpu"))
     try:
         assert isinstance(transport, MooncakeTransport)
-        assert transport.supports_device(torch.device("cpu"))
+        assert transport.capabilities.reads("cpu")
     finally:
         transport.close()
 

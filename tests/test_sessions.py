@@ -5,6 +5,7 @@ Mooncake TCP writes on 127.0.0.1)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -219,18 +220,16 @@ def test_sglang_style_sessions_still_work_but_are_not_verified(replica, trainer,
 
 def test_the_manager_renews_the_lease_through_a_push_longer_than_it(replica) -> None:
     # Last in the module: the push writes nothing, so the update it ends is unverified.
-    from weightsync.manager import PushSummary, SyncManager
+    from weightsync.manager import PushResult, SyncManager
 
     lease_s = 1.0
-
-    async def slow_push(targets, epoch, fences) -> PushSummary:
-        await asyncio.sleep(2.5 * lease_s)  # the lease would lapse twice over
-        return PushSummary(bytes_written=0, bytes_staged=0, num_writes=0, num_regions=0)
 
     async def run():
         config = ControlConfig(lease_s=lease_s, lifecycle_timeout_s=10.0)
         async with SyncManager([replica], config) as manager:
-            return await manager.update_weights(slow_push)
+            update = await manager.open_update()
+            await asyncio.sleep(2.5 * lease_s)  # the push: the lease would lapse twice over
+            return await manager.finish_update(update, PushResult.empty())
 
     report = asyncio.run(run())
     assert report.replicas == (replica,)
@@ -242,9 +241,9 @@ def test_the_manager_renews_the_lease_through_a_push_longer_than_it(replica) -> 
 def _landing_push(landed_after_s: float, error: BaseException | None = None):
     """A push that writes nothing and leaves "copies in flight": its summary names an event
     and lands `landed_after_s` later (or fails with `error`)."""
-    from weightsync.manager import PushSummary
+    from weightsync.manager import Landing, PushResult
 
-    async def push(targets, epoch, fences) -> PushSummary:
+    async def push(update) -> PushResult:
         loop = asyncio.get_running_loop()
         landed: asyncio.Future[float] = loop.create_future()
 
@@ -255,13 +254,8 @@ def _landing_push(landed_after_s: float, error: BaseException | None = None):
                 landed.set_result(time.perf_counter())
 
         loop.call_later(landed_after_s, land)
-        return PushSummary(
-            bytes_written=0,
-            bytes_staged=0,
-            num_writes=0,
-            num_regions=0,
-            events=("ab" * 64,),
-            landed=landed,
+        return dataclasses.replace(
+            PushResult.empty(), landing=Landing(events=("ab" * 64,), seen=landed)
         )
 
     return push
@@ -278,7 +272,7 @@ def test_an_end_waits_for_copies_in_flight_where_the_replica_cannot(replica) -> 
 
     async def run():
         async with SyncManager([replica], ControlConfig(lifecycle_timeout_s=10.0)) as manager:
-            return await manager.update_weights(_landing_push(0.4))
+            return await _pushed(manager, _landing_push(0.4))
 
     report = asyncio.run(run())
     assert report.replicas == (replica,)
@@ -300,7 +294,7 @@ def test_copies_that_never_land_leave_the_replica_paused(replica) -> None:
     async def run():
         async with SyncManager([replica], ControlConfig(lifecycle_timeout_s=10.0)) as manager:
             with pytest.raises(PartialPushError, match="did not finish"):
-                await manager.update_weights(_landing_push(0.1, failure))
+                await _pushed(manager, _landing_push(0.1, failure))
             return manager.dirty_replicas
 
     assert asyncio.run(run()) == frozenset({replica})
@@ -315,4 +309,14 @@ async def _update(replica: str, push) -> None:
     from weightsync.manager import SyncManager
 
     async with SyncManager([replica], ControlConfig(lifecycle_timeout_s=10.0)) as manager:
-        await manager.update_weights(push)
+        await _pushed(manager, push)
+
+
+async def _pushed(manager, push):
+    """One update of `manager` around `push` (which takes the open update)."""
+    update = await manager.open_update()
+    try:
+        result = await push(update)
+    except BaseException as exc:
+        return await manager.finish_update(update, exc)
+    return await manager.finish_update(update, result)

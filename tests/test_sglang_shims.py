@@ -34,7 +34,7 @@ print("chunks on", chunks[0][0].device)
 def test_stubs_raise_when_used_and_patches_apply() -> None:
     venv = venv_if_built()
     if venv is None:
-        pytest.skip("real SGLang's venv is not built here: run scripts/setup (setup-sglang)")
+        pytest.skip("real SGLang's venv is not built here: run scripts/setup --tests")
     done = subprocess.run(
         [str(venv / "bin" / "python"), "-c", PROBE],
         capture_output=True,

@@ -64,11 +64,11 @@ def test_bf16_deepseek_with_its_float32_router_bias(receiver: Receiver, transpor
     )
     assert [part.dtype for part in plan.parts] == ["bfloat16", "float32"]
     source = plan.for_source(0)
-    stats = sender.push(source, export)
+    stats = sender.push(sender.preflight(source, export))
     assert receiver.call(cmd="check", group="ds", seed=3)["mismatched"] == []
     assert stats.bytes_written == source.num_bytes_written == plan.num_bytes_written
     assert not stats.cached_program
-    again = sender.push(source, export)
+    again = sender.push(sender.preflight(source, export))
     assert again.cached_program
     sender.close()
 
@@ -85,14 +85,14 @@ def test_fp8_rollout_from_a_float32_trainer(receiver: Receiver, transport) -> No
         dtype="bfloat16",
     )
     assert [part.dtype for part in plan.parts] == ["bfloat16", "float8_e4m3fn", "float32"]
-    sender.push(plan.for_source(0), export)
+    sender.push(sender.preflight(plan.for_source(0), export))
     assert receiver.call(cmd="check", group="ds8", seed=5)["mismatched"] == []
 
     # The trainer steps: its weights change in place; the next push quantises them again.
     with torch.no_grad():
         for name, tensor in random_model(DEEPSEEK_FP8, seed=6).state_dict().items():
             model.state_dict()[name].copy_(tensor)
-    stats = sender.push(plan.for_source(0), export)
+    stats = sender.push(sender.preflight(plan.for_source(0), export))
     assert stats.cached_program
     assert receiver.call(cmd="check", group="ds8", seed=6)["mismatched"] == []
     sender.close()

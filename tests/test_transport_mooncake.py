@@ -18,7 +18,13 @@ import torch
 
 from transport_peer import PeerProcess
 from weightsync.errors import TransferError, WeightSyncError
-from weightsync.transport import MooncakeConfig, MooncakeTransport, Transport, register_tensor
+from weightsync.transport import (
+    MooncakeConfig,
+    MooncakeTransport,
+    Transport,
+    TransportCapabilities,
+    register_tensor,
+)
 from weightsync.transport.mooncake.engine import rdma_devices
 
 MIB = 1 << 20
@@ -82,6 +88,26 @@ def test_transport_follows_the_protocol(writer: MooncakeTransport) -> None:
     assert isinstance(writer, Transport)
     assert writer.protocol == "tcp"
     assert writer.session_id.startswith("127.0.0.1:")
+    # Mooncake reads host memory, and GPU memory of any device when built with CUDA; its
+    # writes never wait on a CUDA stream and it maps no receiver's memory.
+    capabilities = writer.capabilities
+    assert capabilities.reads("cpu") and capabilities.device is None
+    assert not capabilities.stream_ordered and not capabilities.maps_device_memory
+
+
+def test_capabilities_say_which_memory_a_transport_reads() -> None:
+    host = TransportCapabilities()
+    assert host.reads("cpu") and not host.reads("cuda") and not host.reads("cuda", 0)
+    any_gpu = TransportCapabilities(reads_cuda=True)
+    assert any_gpu.reads("cuda", 3) and any_gpu.reads("cuda") and not any_gpu.reads("mps")
+    one_gpu = TransportCapabilities(reads_cuda=True, device=1, stream_ordered=True)
+    assert one_gpu.reads("cuda", 1) and one_gpu.reads("cuda") and not one_gpu.reads("cuda", 0)
+    with pytest.raises(ValueError, match="need reads_cuda"):
+        TransportCapabilities(stream_ordered=True)
+    with pytest.raises(ValueError, match="need reads_cuda"):
+        TransportCapabilities(maps_device_memory=True)
+    with pytest.raises(ValueError, match="device index or None"):
+        TransportCapabilities(reads_cuda=True, device=-1)
 
 
 def test_256_mib_write_lands_byte_for_byte(

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.verl]
 def verl_venv() -> Path:
     venv = venv_if_built()
     if venv is None:
-        pytest.skip("verl's venv is not built here: run scripts/setup (setup-verl)")
+        pytest.skip("verl's venv is not built here: run scripts/setup --tests")
     return venv
 
 

@@ -83,7 +83,7 @@ class PartialPushError(TransferError):
     Attributes:
         failed: ``{session_id: why}`` of every target a write to failed; no more writes went
             to a target once one failed.
-        result: what the push wrote (a `PushStats` from one sender, a `PushSummary` from a
+        result: what the push wrote (a `PushStats` from one sender, a `PushResult` from a
             sync's push), digests included, so that the targets that got everything can be
             finished.
     """

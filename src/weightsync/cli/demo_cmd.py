@@ -43,6 +43,9 @@ from weightsync.testing.presets import (
 _PROMPTS = ((1, 17, 42, 7), (5, 99, 3, 250, 11, 8), (600, 2, 2, 31))
 # DeepSeek-V3's and Kimi-K2's FP8 block.
 _FP8_BLOCK = 128
+# The megatron-core constraints.txt pins; its metadata asks for Python >= 3.12 while its wheel
+# runs on 3.11, hence --ignore-requires-python.
+_MEGATRON_CORE = "megatron-core==0.19.2"
 
 
 def demo(
@@ -91,7 +94,7 @@ def demo(
     that takes real optimizer steps, and syncs after each step (plus once before the first).
     The trainer is transformers data parallel (``hf``), FSDP2 (``fsdp``: every rank writes
     its shards) or Megatron-core (``megatron``: every rank writes the TP / PP / EP slices it
-    holds; needs megatron-core, which scripts/setup installs).
+    holds; needs megatron-core: ``./scripts/setup --megatron`` in a checkout).
     Exits non-zero if the first sync is not bit-exact or a replica's greedy generation ever
     differs from the trainer model's. Killed, even with SIGKILL, it leaves no process behind:
     the replicas and trainer ranks it starts stop when it dies.
@@ -372,8 +375,13 @@ def _check_trainer(
     if trainer == "fsdp" and trainer_pp > 1:
         bad("--trainer-pp", "the fsdp trainer shards every layer over all ranks; use 1")
     if trainer == "megatron":
-        if importlib.util.find_spec("megatron") is None:
-            bad("--trainer", "megatron needs megatron-core (scripts/setup installs it)")
+        if not _has_megatron_core():
+            bad(
+                "--trainer",
+                "the megatron trainer needs megatron-core, which is not installed here; "
+                "install it with `./scripts/setup --megatron` in a weightsync checkout, or "
+                f"`{sys.executable} -m pip install --ignore-requires-python {_MEGATRON_CORE}`",
+            )
         if trainer_ranks % (tp * trainer_pp):
             bad("--trainer-ranks", f"must be a multiple of tp x pp ({tp} x {trainer_pp})")
         model_type = preset_config(model)["model_type"]
@@ -384,6 +392,13 @@ def _check_trainer(
             bad("--trainer-tp", "the megatron trainer trains MoE models at tp 1 (use --trainer-ep)")
         if ep > 1 and (not moe or trainer_ranks % ep):
             bad("--trainer-ep", "expert parallelism needs an MoE model and ep dividing the ranks")
+
+
+def _has_megatron_core() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no ``megatron`` package at all
+        return False
 
 
 def _interrupt_on_signals() -> dict[int, Any]:

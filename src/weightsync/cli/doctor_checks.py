@@ -21,14 +21,13 @@ from typing import Any
 
 from weightsync.control import RolloutClient
 from weightsync.control.protocol import (
-    PARALLELISM_CONFIG,
     ReplicaProtocol,
-    derive_parallelism,
     num_ranks,
     refusal,
 )
 from weightsync.errors import RemoteReplicaError, WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.manager.replicas import parallelism_of
 from weightsync.transport.mooncake.engine import PROTOCOLS, MooncakeConfig, rdma_devices
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -395,19 +394,8 @@ def _protocol_row(protocol: ReplicaProtocol) -> tuple[str, str, str, str]:
 async def _parallelism_row(
     client: RolloutClient, protocol: ReplicaProtocol, server_info: dict[str, Any], ranks: range
 ) -> tuple[str, str, str, str]:
-    source = "/parallelism_config"
     try:
-        if protocol.kind == "sglang" and not protocol.serves(PARALLELISM_CONFIG):
-            try:
-                first = await client.get_parallelism_config(ranks[0])
-                configs = [first] + [await client.get_parallelism_config(r) for r in ranks[1:]]
-            except RemoteReplicaError as exc:
-                if exc.status_code != 404:
-                    raise
-                source = "derived from /server_info"
-                configs = [derive_parallelism(server_info, r) for r in ranks]
-        else:
-            configs = list(await asyncio.gather(*(client.get_parallelism_config(r) for r in ranks)))
+        configs, source = await parallelism_of(client, protocol, server_info, ranks)
     except (RemoteReplicaError, ValueError) as exc:
         return ("parallelism", FAIL, str(exc), "check the replica's server arguments and log")
     problem = _parallelism_problem(configs, server_info)

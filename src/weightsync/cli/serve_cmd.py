@@ -1,4 +1,4 @@
-"""`weightsync serve`: run one reference rollout replica (every route of PROTOCOL.md)."""
+"""`weightsync serve`: run one reference rollout replica (every route of docs/protocol.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from weightsync.server.lifetime import (
 
 # Exit code for bad command-line input, as click uses for usage errors.
 _USAGE_ERROR = 2
-# What `weightsync serve` serves beyond PROTOCOL.md: the broadcast baseline's routes, so that
-# the benchmarks can compare against it on the same replicas.
+# What `weightsync serve` serves beyond docs/protocol.md's main routes: the broadcast
+# baseline's routes, so that the benchmarks can compare against it on the same replicas.
 SERVER_EXTENSIONS = (
     "weightsync.baseline.receiver.extension",
     "weightsync.baseline.receiver.from_tensor",

@@ -1,4 +1,5 @@
-"""The control plane: PROTOCOL.md's bodies (pydantic) and async clients of its servers."""
+"""The control plane: the bodies of docs/protocol.md's routes (pydantic) and async clients
+of its servers."""
 
 from weightsync.control.bootstrap_client import BootstrapClient
 from weightsync.control.client import RolloutClient

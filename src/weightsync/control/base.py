@@ -1,10 +1,14 @@
-"""What the rollout clients share: one keep-alive connection pool, auth, timeouts, errors.
+"""What the rollout clients share: auth, timeouts, errors, and the two ways a call goes
+out, both chosen here.
 
-The pool is aiohttp's: a control call on loopback costs about a third of what it cost through
-httpx (whose HTTP/1.1 parser is pure Python), and a weight update makes eight of them in a
-row, so this is time every sync pays while generation is paused. The two fused lifecycle
-calls, whose cost is all of a fused sync's control plane, go over a `KeepAliveConnection`
-of the client's own (a third of aiohttp's cost again).
+- The framework path, `AsyncHttpClient._call`: aiohttp's keep-alive pool, for every route
+  (on loopback a call costs about a third of what it cost through httpx, whose HTTP/1.1
+  parser is pure Python).
+- The fast path, `AsyncHttpClient._post_quick`: the client's own `KeepAliveConnection`, for
+  the two fused lifecycle calls (`RolloutClient.begin_weight_sync` and
+  `RolloutClient.end_weight_sync`), whose cost is all of a fused sync's control plane; over
+  aiohttp for an https server. Why, with the measured costs of both paths on both sides:
+  `weightsync.server.direct`.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class AsyncHttpClient:
         # outside any loop: the session is made by the first call, on that call's loop.
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
-        # The calls a sync makes while generation waits go over one lean connection.
+        # The fast path's connection (the fused lifecycle calls); plain HTTP only.
         self._keep_alive = (
             KeepAliveConnection(self._base_url, headers=self._headers)
             if self._base_url.startswith("http://")
@@ -154,9 +158,9 @@ class AsyncHttpClient:
         poll_s: float = 0.0,
         poll_after: asyncio.Future[Any] | None = None,
     ) -> HttpReply:
-        """``POST`` `body` (JSON) over the keep-alive connection (aiohttp for an https
-        server) and return the reply, whatever its status; `poll_s` and `poll_after` as
-        `KeepAliveConnection.request` takes them (not over aiohttp).
+        """``POST`` `body` (JSON) on the fast path: over the keep-alive connection (aiohttp
+        for an https server); return the reply, whatever its status. `poll_s` and
+        `poll_after` as `KeepAliveConnection.request` takes them (not over aiohttp).
 
         Raises:
             RemoteReplicaError: no reply.

@@ -1,4 +1,4 @@
-"""`BootstrapClient`: the engine-info bootstrap server's routes (PROTOCOL.md)."""
+"""`BootstrapClient`: the engine-info bootstrap server's routes (docs/protocol.md)."""
 
 from __future__ import annotations
 

@@ -484,6 +484,8 @@ class RolloutClient(AsyncHttpClient):
         poll_s: float = 0.0,
         poll_after: asyncio.Future[Any] | None = None,
     ) -> WeightSyncStepResponse:
+        """A fused lifecycle call, on the fast path (`_post_quick`); a refusing step raises
+        `LifecycleStepError`."""
         response = await self._post_quick(
             route, body, timeout_s=timeout_s, poll_s=poll_s, poll_after=poll_after
         )

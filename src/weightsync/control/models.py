@@ -1,4 +1,4 @@
-"""The bodies of PROTOCOL.md's routes, as pydantic models with SGLang's exact field names.
+"""The bodies of docs/protocol.md's routes, as pydantic models with SGLang's exact field names.
 
 Request models ignore unknown fields (SGLang clients may send more); response models allow
 extra fields, so a reader keeps what a newer server adds.

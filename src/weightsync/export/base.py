@@ -32,9 +32,13 @@ class WeightExport(Protocol):
        each laid out as it said. Iterating must not run collectives: ranks iterate at
        different speeds.
 
-    A push may iterate more than once (a plan of several dtypes, the finite check); an
-    export that computes its tensors (`weightsync.export.Fp8Export`) may define
-    ``begin_push()``, which the sender calls once before a push's first iteration.
+    A push may iterate more than once (a plan of several dtypes, the finite check): the
+    sender calls `begin_push` once before a push's first iteration, so that an export that
+    computes its tensors (`weightsync.export.Fp8Export`) computes them once per push. A
+    sync holds `pinned` around all of it, and a push replays its last writes without
+    iterating while `geometry_key` answers the key it captured them under
+    (`weightsync.sender.replay`). `ExportDefaults` gives the answers of an export that needs
+    none of the three.
     """
 
     def holding(self) -> Mapping[str, TensorMeta]:
@@ -49,8 +53,41 @@ class WeightExport(Protocol):
         """The ``(hf_name, tensor)`` stream."""
         ...
 
+    @property
+    def geometry_key(self) -> Any:
+        """A value equal between two pushes only when the stream yields views of the same
+        memory laid out the same way (a push may then be replayed without reading the
+        stream); None: never replay."""
+        ...
 
-class ViewExport:
+    def begin_push(self) -> None:
+        """A push starts: its iterations read the trainer's weights as they are now."""
+        ...
+
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        """A block within which the export's tensors do not move (the caller's promise: a
+        sync runs between optimizer steps)."""
+        ...
+
+
+class ExportDefaults:
+    """The optional parts of `WeightExport` for an export that needs none of them: never
+    replayed, nothing to do as a push starts, nothing to pin. A base class of the exports."""
+
+    @property
+    def geometry_key(self) -> Any:
+        """None: a push always reads the stream."""
+        return None
+
+    def begin_push(self) -> None:
+        """Nothing to do as a push starts."""
+
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        """A block that changes nothing."""
+        return contextlib.nullcontext()
+
+
+class ViewExport(ExportDefaults):
     """A base class of exports whose stream yields views of tensors that persist between
     steps (a model's parameters): subclasses give `__iter__` and `memory_key`.
 

@@ -8,11 +8,12 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from weightsync.checkpoint import SafetensorsCheckpoint
+from weightsync.export.base import ExportDefaults
 from weightsync.plan.geometry import StreamGeometry, TensorGeometry
 from weightsync.plan.types import TensorMeta
 
 
-class CheckpointExport:
+class CheckpointExport(ExportDefaults):
     """The tensors of a checked `weightsync.checkpoint.SafetensorsCheckpoint`, whole, as a
     `weightsync.WeightExport`.
 

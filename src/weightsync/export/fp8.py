@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.export.base import WeightExport
+from weightsync.export.base import ExportDefaults, WeightExport
 from weightsync.export.geometry import tensor_geometry
 from weightsync.export.quantize import quantize_block_fp8, scale_shape
 from weightsync.layout.dtypes import DTYPE_SIZES
@@ -57,7 +57,7 @@ class _Run:
         )
 
 
-class Fp8Export:
+class Fp8Export(ExportDefaults):
     """`export` with every linear weight quantised to block FP8 (e4m3 codes, float32 scales).
 
     A `weightsync.WeightExport`. A rank holding a box of a weight (a sharded trainer's slice)

@@ -20,15 +20,15 @@ instead of blocking forever. Each message is a frozen dataclass, checked by type
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from weightsync.errors import CollectiveError, WeightSyncError
 from weightsync.manager.report import SyncReport
 from weightsync.plan import SourcePlan
-from weightsync.sender import PushStats
+from weightsync.sender import Fence, PushStats
 
 MessageT = TypeVar("MessageT")
 T = TypeVar("T")
@@ -42,13 +42,12 @@ class PushOrder:
         new_plan: the plan changed; a scatter of every rank's `SourcePlan` follows.
         fp8_block_size: the rollout serves block-FP8 weights of this block (its published
             metadata): push the export through `weightsync.export.Fp8Export`; 0 for none.
-        fences: by target session id, the CUDA event (IPC handle) that writes into that
-            target must follow (`WeightSender.push`).
+        fences: the CUDA events writes into a target must follow (`WeightSender.push`).
     """
 
     new_plan: bool
     fp8_block_size: int = 0
-    fences: Mapping[str, str] = field(default_factory=dict)
+    fences: tuple[Fence, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

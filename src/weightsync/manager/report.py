@@ -2,54 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.sender import PushStats
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PushSummary:
-    """What every trainer source rank wrote in one sync, added up.
-
-    Attributes:
-        bytes_written: bytes written to rollout memory, over all targets.
-        bytes_staged: bytes copied into staging memory, over all sources.
-        num_writes: transport writes after coalescing.
-        num_regions: destination regions before coalescing.
-        bytes_per_replica: bytes written into each replica (by replica URL).
-        seconds_per_source: wall time of each source rank's push (by source rank).
-        cached_program: every source ran a push program cached from an earlier push (see
-            ``PushStats.cached_program``).
-        per_source: every source rank's own `PushStats`, by rank.
-        digests: per target session id, ``{param_name: digest}`` of what all sources wrote
-            (`weightsync.layout.digest`); empty when the sources computed none.
-        events: the IPC handles (hex) of the CUDA events that copies still in flight
-            complete at (``PushStats.events`` of every source); empty when every write
-            landed before the push returned.
-        landed: with `events`, resolves to the `time.perf_counter` at which the driver's
-            copies were seen done, or raises `PartialPushError` when they did not finish in
-            time; the manager waits for it before ending a session whose replica cannot
-            wait for the events itself.
-    """
-
-    bytes_written: int
-    bytes_staged: int
-    num_writes: int
-    num_regions: int
-    bytes_per_replica: Mapping[str, int] = field(default_factory=dict)
-    seconds_per_source: Mapping[int, float] = field(default_factory=dict)
-    cached_program: bool = False
-    per_source: Mapping[int, PushStats] = field(default_factory=dict)
-    digests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-    events: tuple[str, ...] = ()
-    landed: Awaitable[float] | None = field(default=None, compare=False, repr=False)
+from weightsync.manager.update import PushResult
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseTimes:
-    """Seconds spent in each phase of PROTOCOL.md's update order.
+    """Seconds spent in each phase of the update lifecycle (docs/protocol.md).
 
     Attributes:
         pause: pause generation, release the KV cache, begin the sessions.
@@ -96,7 +58,7 @@ class SyncReport:
     version: str
     replicas: tuple[str, ...]
     phases: PhaseTimes
-    push: PushSummary
+    push: PushResult
     metadata_refreshed: bool
     bit_exact: bool | None = None
     verified: tuple[str, ...] = ()

@@ -8,7 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from weightsync.control.loops import new_event_loop
@@ -30,7 +30,8 @@ from weightsync.manager.collective import (
 )
 from weightsync.manager.config import SyncConfig
 from weightsync.manager.manager import SyncManager
-from weightsync.manager.report import PushSummary, SyncReport
+from weightsync.manager.report import SyncReport
+from weightsync.manager.update import Landing, OpenUpdate, PushResult
 from weightsync.plan import SourceHolding, SourcePlan, TargetRank, build_plan
 from weightsync.sender import WeightSender
 from weightsync.transport import Transport, open_transport
@@ -219,20 +220,25 @@ class TrainerSync:
         Raises:
             LayoutMismatchError: the plan was refused before any write (every rank raises
                 it; the replicas serve their previous weights).
-            WeightSyncError / ValueError: as `SyncManager.update_weights` raised on the driver.
+            WeightSyncError / ValueError: as `SyncManager.open_update` or `finish_update`
+                raised on the driver.
             CollectiveError: a trainer rank did not take part within
                 ``config.collective_timeout_s`` (dead, stopped, or not calling `sync`).
         """
         if self._closed:
             raise ValueError("sync() on a closed TrainerSync")
-        pinned = getattr(export, "pinned", None)
-        with pinned() if callable(pinned) else contextlib.nullcontext():
+        with export.pinned():
             return self._sync(export, version, rollback)
 
     def _sync(self, export: WeightExport, version: str | None, rollback: bool) -> SyncReport:
-        """`sync`, with the export's memory key computed once."""
-        mine = self._sender.holding(export)
-        holdings = tuple(sorted(self._collective.all_gather(mine), key=lambda h: h.rank))
+        """`sync` as steps (`weightsync.manager.collective` gives the messages): every rank
+        gathers the holdings (and checks replica digests); the driver opens the update,
+        builds the plan and broadcasts the order; every rank takes its share, preflights,
+        agrees and pushes; the driver gathers the outcomes, finishes the update and
+        broadcasts the report."""
+        holdings = tuple(
+            sorted(self._collective.all_gather(self._sender.holding(export)), key=lambda h: h.rank)
+        )
         if self._config.check_replicas:
             # Every rank sees every digest and so raises the same error, before any write.
             digests = self._collective.all_gather(
@@ -243,67 +249,36 @@ class TrainerSync:
                 raise WeightsRefusedError("; ".join(problems))
         if self._manager is None:
             return self._follow(export)
-        pushed = False
+        manager, ordered = self._manager, False
 
-        def plan_and_push(
-            targets: Sequence[TargetRank], epoch: int, fences: Mapping[str, str]
-        ) -> PushSummary:
-            nonlocal pushed
-            # The driver builds (and validates) the plan before any rank writes, so a
-            # mismatch fails the sync with nothing written.
-            plans = self._source_plans(targets, epoch, holdings)
-            pushed = True
+        def order_and_push(update: OpenUpdate) -> PushResult:
+            nonlocal ordered
+            # The plan is built (and validated) before any rank writes, so a mismatch fails
+            # the sync with nothing written.
+            plans = self._source_plans(update.targets, update.epoch, holdings)
             order = PushOrder(
                 new_plan=plans is not None,
-                fp8_block_size=rollout_fp8(targets),
-                fences=dict(fences),
+                fp8_block_size=rollout_fp8(update.targets),
+                fences=update.fences,
             )
+            ordered = True
             self._collective.broadcast(order, (PushOrder,))
             # Only the driver's copies may stay in flight: it waits for them (the other
             # ranks' land before their outcomes reach it).
-            return self._push(export, targets, order, plans, wait=False)
+            return self._push(export, update.targets, order, plans, wait=False)
 
-        async def push(
-            targets: Sequence[TargetRank], epoch: int, fences: Mapping[str, str]
-        ) -> PushSummary:
-            # One worker thread for the whole push: it blocks on collectives and the GPU,
-            # never the manager's loop. A push that leaves its copies in flight hands its
-            # summary over at once, and the thread goes on to wait for them (`landed`).
-            loop = asyncio.get_running_loop()
-            queued: asyncio.Future[PushSummary] = loop.create_future()
-            landed: asyncio.Future[float] = loop.create_future()
-            landed.add_done_callback(_retrieved)
-
-            def work() -> None:
-                try:
-                    summary = plan_and_push(targets, epoch, fences)
-                except BaseException as exc:
-                    loop.call_soon_threadsafe(_settle, queued, exc)
-                    return
-                if not summary.events:
-                    loop.call_soon_threadsafe(_settle, queued, summary)
-                    return
-                loop.call_soon_threadsafe(
-                    _settle, queued, dataclasses.replace(summary, landed=landed)
-                )
-                try:
-                    seen: float | BaseException = self._sender.wait_landed()
-                except BaseException as exc:
-                    seen = exc
-                loop.call_soon_threadsafe(_settle, landed, seen)
-
-            # The worker is joined through the futures it settles.
-            loop.run_in_executor(None, contextvars.copy_context().run, work)
-            return await queued
+        async def update_replicas() -> SyncReport:
+            # Every rank's sender waits for the fences of the targets it writes to.
+            update = await manager.open_update(version=version, fence=True, rollback=rollback)
+            outcome = await self._off_loop(lambda: order_and_push(update))
+            return await manager.finish_update(update, outcome)
 
         try:
-            # Every rank's sender waits for the fences of the targets it writes to.
-            report = self.run(
-                self._manager.update_weights(push, version=version, fence=True, rollback=rollback)
-            )
+            # One call on the loop: a membership change from another thread waits for it.
+            report = self.run(update_replicas())
         except BaseException as exc:
             try:
-                if not pushed:
+                if not ordered:
                     self._collective.broadcast(NoPush(), (NoPush,))
                 self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
             except CollectiveError as lost:
@@ -312,6 +287,41 @@ class TrainerSync:
             raise
         self._collective.broadcast(SyncDone(report=report), (SyncDone,))
         return report
+
+    async def _off_loop(self, push: Callable[[], PushResult]) -> PushResult | BaseException:
+        """Run `push` in a worker thread while the driver's loop goes on (it renews the
+        sessions' leases); its result, or what it raised. A push that leaves copies in
+        flight hands its result over at once, with a `Landing` the thread settles once it
+        saw them land (`WeightSender.wait_landed`)."""
+        loop = asyncio.get_running_loop()
+        queued: asyncio.Future[PushResult] = loop.create_future()
+        seen: asyncio.Future[float] = loop.create_future()
+        seen.add_done_callback(_retrieved)
+
+        def work() -> None:
+            try:
+                result = push()
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_settle, queued, exc)
+                return
+            events = tuple(e for s in result.per_source.values() for e in s.events)
+            if not events:
+                loop.call_soon_threadsafe(_settle, queued, result)
+                return
+            landing = Landing(events=events, seen=seen)
+            loop.call_soon_threadsafe(_settle, queued, dataclasses.replace(result, landing=landing))
+            try:
+                landed: float | BaseException = self._sender.wait_landed()
+            except BaseException as exc:
+                landed = exc
+            loop.call_soon_threadsafe(_settle, seen, landed)
+
+        # The worker is joined through the futures it settles.
+        loop.run_in_executor(None, contextvars.copy_context().run, work)
+        try:
+            return await queued
+        except Exception as exc:
+            return exc
 
     def close(self) -> None:
         """Close the manager (driver), the sender's staging memory and the transport it owns."""
@@ -419,7 +429,7 @@ class TrainerSync:
         plans: list[SourcePlan] | None,
         *,
         wait: bool = True,
-    ) -> PushSummary:
+    ) -> PushResult:
         """Every rank: receive its new plan (if any), write its share, report to the driver
         (`wait`: as `WeightSender.push`)."""
         try:
@@ -430,7 +440,7 @@ class TrainerSync:
             export = self._for_rollout(export, order.fp8_block_size)
             refused: Exception | None = None
             try:
-                self._sender.preflight(self._plan, export)
+                checked = self._sender.preflight(self._plan, export)
             except (ValueError, WeightsRefusedError) as exc:
                 refused = exc
             # No rank writes unless every rank's checks passed: then a refusal leaves every
@@ -438,7 +448,7 @@ class TrainerSync:
             verdicts = [v for v in self._collective.all_gather(refused) if v is not None]
             if verdicts:
                 raise verdicts[0]
-            stats = self._sender.push(self._plan, export, wait=wait, fences=order.fences)
+            stats = self._sender.push(checked, wait=wait, fences=order.fences)
             outcome = RankOutcome(rank=self.rank, stats=stats)
         except CollectiveError:
             raise
@@ -446,7 +456,7 @@ class TrainerSync:
             outcome = RankOutcome(rank=self.rank, error=exc)
         outcomes = self._collective.gather(outcome, RankOutcome)
         if outcomes is None:
-            return PushSummary(bytes_written=0, bytes_staged=0, num_writes=0, num_regions=0)
+            return PushResult.empty()
         failed = [o for o in outcomes if o.error is not None]
         if not failed:
             return _summarize(outcomes, targets)
@@ -486,32 +496,8 @@ def rollout_fp8(targets: Sequence[TargetRank]) -> int:
     return blocks.pop() if blocks else 0
 
 
-def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -> PushSummary:
-    per_replica: dict[str, int] = {}
-    session_to_replica = {t.session_id: t.replica for t in targets}
-    stats = {o.rank: o.stats for o in outcomes if o.stats is not None}
-    digests: dict[str, dict[str, int]] = {}
-    for rank_stats in stats.values():
-        for session_id, partial in rank_stats.digests.items():
-            total = digests.setdefault(session_id, {})
-            for name, value in partial.items():
-                total[name] = total.get(name, 0) + value
-    for rank_stats in stats.values():
-        for session_id, num_bytes in rank_stats.bytes_per_target.items():
-            replica = session_to_replica.get(session_id, session_id)
-            per_replica[replica] = per_replica.get(replica, 0) + num_bytes
-    return PushSummary(
-        bytes_written=sum(s.bytes_written for s in stats.values()),
-        bytes_staged=sum(s.bytes_staged for s in stats.values()),
-        num_writes=sum(s.num_writes for s in stats.values()),
-        num_regions=sum(s.num_regions for s in stats.values()),
-        bytes_per_replica=per_replica,
-        seconds_per_source={rank: s.seconds for rank, s in stats.items()},
-        cached_program=all(s.cached_program for s in stats.values()),
-        per_source=stats,
-        digests=digests,
-        events=tuple(e for s in stats.values() for e in s.events),
-    )
+def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -> PushResult:
+    return PushResult.of_ranks({o.rank: o.stats for o in outcomes if o.stats is not None}, targets)
 
 
 def _run_to_end(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:

@@ -92,3 +92,56 @@ def next_label(
                     "version=None), or rollback=True to label weights older than it holds"
                 )
     return requested
+
+
+class LabelBook:
+    """What each replica holds, as last seen, and the labels one manager gave: the facts
+    `next_label` chooses from."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, HeldLabel] = {}
+        self._given: set[str] = set()
+        self._highest = 0  # the largest numeric label given
+
+    def next(self, requested: str | None, replicas: Collection[str], *, rollback: bool) -> str:
+        """The label of an update of `replicas` (`next_label`).
+
+        Raises:
+            ValueError: as `next_label`.
+        """
+        held = {url: self._held.get(url, HeldLabel(label=None)) for url in replicas}
+        return next_label(
+            requested, held, given=self._given, given_highest=self._highest, rollback=rollback
+        )
+
+    def give(self, label: str) -> None:
+        """Record that this manager gave `label` to an update."""
+        self._given.add(label)
+
+    def seen(self, url: str, label: str | None, *, keep_highest: bool = False) -> None:
+        """Replica `url` holds `label` (with `keep_highest`, as well as the highest it was
+        known to hold)."""
+        known = self._held.get(url)
+        highest = known.highest if keep_highest and known is not None else None
+        self._held[url] = HeldLabel(label=label, highest=highest)
+
+    def began(self, url: str, held: HeldLabel) -> None:
+        """What replica `url` said it holds as its session began."""
+        self._held[url] = held
+
+    def hold(self, label: str, replicas: Collection[str]) -> None:
+        """`replicas` hold `label` now: an update gave it to them."""
+        number = numeric_label(label)
+        for url in replicas:
+            known = self._held.get(url)
+            highest = known.highest if known is not None else None
+            if number is not None:
+                highest = max(number, highest or 0)
+            self._held[url] = HeldLabel(label=label, highest=highest)
+        if number is not None:
+            self._highest = max(self._highest, number)
+
+    def forget(self, replicas: Collection[str]) -> None:
+        """Nothing is known of what `replicas` hold (written part-way, or gone)."""
+        for url in replicas:
+            self._held.pop(url, None)

@@ -5,7 +5,12 @@ update sessions and the weights checker), `WeightsChecker`, and the engine-side 
 (`weightsync.receiver.loader`). No web framework: an engine serves the routes its own way.
 """
 
-from weightsync.receiver.agent import RolloutAgent, UpdateSessionError, memory_regions
+from weightsync.receiver.agent import (
+    RolloutAgent,
+    SessionState,
+    UpdateSessionError,
+    memory_regions,
+)
 from weightsync.receiver.checker import CheckResult, ParamDiff, WeightsChecker
 from weightsync.receiver.loader import load_hf_tensors, shard_state_dict
 
@@ -13,6 +18,7 @@ __all__ = [
     "CheckResult",
     "ParamDiff",
     "RolloutAgent",
+    "SessionState",
     "UpdateSessionError",
     "WeightsChecker",
     "load_hf_tensors",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,40 @@ if TYPE_CHECKING:
 
 class UpdateSessionError(WeightSyncError):
     """A weight-update session was begun while one is open, or ended while none is."""
+
+
+class SessionState(enum.Enum):
+    """Where a rank's weight-update session stands (`RolloutAgent.session_state`).
+
+    A session goes ``CLOSED`` → ``FENCED`` (a fenced begin, its digest still on the GPU) or
+    ``OPEN`` → ``ENDING`` (`RolloutAgent.prepare_end` ran while the bytes land) →
+    ``CLOSED``; `RolloutAgent.read_fenced_begin` takes ``FENCED`` to ``OPEN``.
+    """
+
+    CLOSED = "closed"
+    FENCED = "fenced"
+    OPEN = "open"
+    ENDING = "ending"
+
+
+@dataclass(slots=True)
+class _Session:
+    """One open weight-update session of a rank: everything it knows from begin to end.
+
+    Attributes:
+        selector: the weights it updates (``target`` or ``all``).
+        state: `SessionState.FENCED`, ``OPEN`` or ``ENDING``.
+        at_begin: the digests at begin, in the order of `ParameterDigests.names` (None
+            while a fenced begin's are still on the GPU).
+        changed_outside: what a fenced begin found changed outside a session, for the end.
+        expected: the trainers' digests `prepare_end` put in that order (None: none sent).
+    """
+
+    selector: str
+    state: SessionState
+    at_begin: np.ndarray | None = None
+    changed_outside: tuple[str, ...] = ()
+    expected: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,10 +102,10 @@ class RolloutAgent:
     3. Per update: `begin_update`, (trainers write the bytes), `set_weight_version`,
        `end_update` (with the digests the trainers computed, to verify what arrived; handed
        over with `prepare_end` while the bytes still land, where the caller can). The
-       engine must not run forward passes between begin and end. Both calls say which
-       parameters changed since the last reference point (`SessionCheck`), so the engine
-       knows without trusting anyone whether a session wrote anything and whether bytes
-       arrived from outside a session.
+       engine must not run forward passes between begin and end (`session_state` says
+       where the session stands). Both calls say which parameters changed since the last
+       reference point (`SessionCheck`), so the engine knows without trusting anyone
+       whether a session wrote anything and whether bytes arrived from outside a session.
     4. Any time: `weights_checker` (snapshot / reset_tensors / compare / checksum).
     5. `close` when the engine shuts down: unregisters the memory (the transport stays the
        caller's to close).
@@ -121,16 +156,12 @@ class RolloutAgent:
         self._on_update_end = on_update_end
         self._post_load_writes = post_load_writes_params and on_update_end is not None
         self._weight_version = weight_version
-        self._session_selector: str | None = None
+        self._session: _Session | None = None
         self._checker = WeightsChecker(self._params)
         self._digests = ParameterDigests(self._params)
-        # Digests as int64 arrays in the order of self._digests.names.
-        self._reference = self._digests.compute_values()  # what the last end found
-        self._at_begin = self._reference
-        self._changed_outside: tuple[str, ...] = ()  # what a fenced begin found, for its end
-        self._prepared: np.ndarray | None = None  # `prepare_end`'s expected digests
-        self._end_prepared = False  # `prepare_end` ran in the open session
-        self._begin_pending = False  # a fenced begin's digest is still to read
+        # Digests as int64 arrays in the order of self._digests.names: what the last end
+        # found, the reference a begin compares against.
+        self._reference = self._digests.compute_values()
         device = next(iter(self._params.values())).device
         self._gate = StreamGate(device) if StreamGate.supported(device) else None
         self._registered: list[int] = []
@@ -166,7 +197,12 @@ class RolloutAgent:
     @property
     def session_open(self) -> bool:
         """Whether a weight-update session is open."""
-        return self._session_selector is not None
+        return self._session is not None
+
+    @property
+    def session_state(self) -> SessionState:
+        """Where the weight-update session stands (`SessionState.CLOSED` when none is open)."""
+        return SessionState.CLOSED if self._session is None else self._session.state
 
     @property
     def weight_version(self) -> str:
@@ -184,7 +220,7 @@ class RolloutAgent:
         }
 
     def transfer_engine_info(self) -> dict[str, object]:
-        """``{"session_id": ..., "weights_info_dict": weights_info()}`` as PROTOCOL.md
+        """``{"session_id": ..., "weights_info_dict": weights_info()}`` as docs/protocol.md
         publishes it."""
         return {"session_id": self.session_id, "weights_info_dict": self.weights_info()}
 
@@ -241,9 +277,9 @@ class RolloutAgent:
         """
         if selector == "draft":
             raise ValueError("this rank has no draft model; use selector 'target' or 'all'")
-        if self._session_selector is not None:
+        if self._session is not None:
             raise UpdateSessionError(
-                f"a weight-update session (selector={self._session_selector}) is already open "
+                f"a weight-update session (selector={self._session.selector}) is already open "
                 f"on tp rank {self._parallelism.tp_rank}; end it before beginning another"
             )
         if fence and not self.can_fence:
@@ -255,13 +291,12 @@ class RolloutAgent:
         if fence:
             # Read by `read_fenced_begin`.
             handle = self._digests.launch()
-            self._begin_pending = True
-            self._session_selector = selector
+            self._session = _Session(selector=selector, state=SessionState.FENCED)
             return SessionCheck(fence=handle, seconds=time.perf_counter() - start)
-        self._at_begin = self._digests.compute_values()
-        self._session_selector = selector
+        at_begin = self._digests.compute_values()
+        self._session = _Session(selector=selector, state=SessionState.OPEN, at_begin=at_begin)
         return SessionCheck(
-            changed=self._differing(self._at_begin, self._reference),
+            changed=self._differing(at_begin, self._reference),
             seconds=time.perf_counter() - start,
         )
 
@@ -270,10 +305,17 @@ class RolloutAgent:
         waited for it) and keep what it found changed outside a session, for `end_update`.
         Called while the session's writes are still landing, it spares the end that work;
         `end_update` does it otherwise. Nothing without a fenced begin pending."""
-        if self._begin_pending:
-            self._begin_pending = False
-            self._at_begin = self._digests.collect_values()
-            self._changed_outside = self._differing(self._at_begin, self._reference)
+        if self._session is not None:
+            self._digests_at_begin(self._session)
+
+    def _digests_at_begin(self, session: _Session) -> np.ndarray:
+        """`session`'s digests at begin, read first where a fenced begin left them on the
+        GPU (with what they say changed outside a session)."""
+        if session.at_begin is None:
+            session.at_begin = self._digests.collect_values()
+            session.changed_outside = self._differing(session.at_begin, self._reference)
+            session.state = SessionState.OPEN
+        return session.at_begin
 
     def prepare_end(
         self, expected: Mapping[str, int] | None, *, gated: bool = False
@@ -292,14 +334,10 @@ class RolloutAgent:
         Raises:
             UpdateSessionError: no session is open.
         """
-        if self._session_selector is None:
-            raise UpdateSessionError(
-                f"no weight-update session is open on tp rank {self._parallelism.tp_rank}; "
-                "call begin_weight_update first"
-            )
+        session = self._open_session()
         self.read_fenced_begin()
-        self._prepared = None if expected is None else self._digests.order(expected)
-        self._end_prepared = True
+        session.expected = None if expected is None else self._digests.order(expected)
+        session.state = SessionState.ENDING
         gate = self._gate if gated else None
         if gate is not None:
             self._digests.launch(gate)
@@ -326,22 +364,16 @@ class RolloutAgent:
             UpdateSessionError: no session is open.
             RuntimeError: `prepared` without a `prepare_end` in this session.
         """
-        if self._session_selector is None:
-            raise UpdateSessionError(
-                f"no weight-update session is open on tp rank {self._parallelism.tp_rank}; "
-                "call begin_weight_update first"
-            )
-        if prepared and not self._end_prepared:
+        session = self._open_session()
+        if prepared and session.state is not SessionState.ENDING:
             raise RuntimeError("end_update(prepared=True) without prepare_end")
         try:
             start = time.perf_counter()
             if prepared:
-                wanted = self._prepared
+                wanted = session.expected
             else:
                 wanted = None if expected is None else self._digests.order(expected)
-            self._prepared, self._end_prepared = None, False
-            self.read_fenced_begin()
-            changed_outside, self._changed_outside = self._changed_outside, ()
+            at_begin = self._digests_at_begin(session)
             # Before post-load processing, which may rewrite parameters in place.
             if self._digests.pending:  # once the begin's is read, only prepare_end's
                 now = self._digests.collect_values()
@@ -351,7 +383,7 @@ class RolloutAgent:
             mismatched: tuple[str, ...] = ()
             changed: tuple[str, ...] = ()
             if wanted is None:
-                changed = self._differing(now, self._at_begin)
+                changed = self._differing(now, at_begin)
             else:
                 mismatched = self._differing(now, wanted)
             if self._on_update_end is not None:
@@ -362,14 +394,27 @@ class RolloutAgent:
                 seconds += time.perf_counter() - start
             self._reference = now
         finally:
-            self._session_selector = None
+            self._session = None
         return SessionCheck(
             changed=changed,
             mismatched=mismatched,
             verified=wanted is not None and not mismatched,
             seconds=seconds,
-            changed_outside=changed_outside,
+            changed_outside=session.changed_outside,
         )
+
+    def _open_session(self) -> _Session:
+        """The open session.
+
+        Raises:
+            UpdateSessionError: none is open.
+        """
+        if self._session is None:
+            raise UpdateSessionError(
+                f"no weight-update session is open on tp rank {self._parallelism.tp_rank}; "
+                "call begin_weight_update first"
+            )
+        return self._session
 
     def _differing(self, now: np.ndarray, before: np.ndarray) -> tuple[str, ...]:
         """The parameters whose digests differ between two value arrays."""
@@ -404,7 +449,7 @@ class RolloutAgent:
             skip_tensor_list=skip_tensor_list,
             seed=seed,
         )
-        if action == "reset_tensors" and self._session_selector is None:
+        if action == "reset_tensors" and self._session is None:
             # A change the engine made itself, not one from outside a session.
             self._reference = self._digests.compute_values()
         return result

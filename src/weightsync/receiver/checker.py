@@ -1,6 +1,6 @@
 """The weights checker: snapshot, corrupt and compare one rank's parameters.
 
-The bit-exact check of PROTOCOL.md runs it on every rank: ``snapshot`` copies every parameter,
+The bit-exact check (docs/protocol.md) runs it on every rank: ``snapshot`` copies every parameter,
 ``reset_tensors`` overwrites every parameter in place with random values, and after a sync
 ``compare`` must find every parameter bitwise equal to the snapshot. ``compare`` frees the
 snapshot.

@@ -6,10 +6,11 @@ Two ways, chosen by what the transport offers:
 - `TransportDirect`, for a transport that writes lists of ``(src, dst, length)`` from memory
   registered with it (Mooncake): each tensor's storage is registered once (`SourceMemory`)
   and the step's precomputed writes go out through the sender's `WriteQueue`, like a chunk's;
-- `MappedDirect`, for a transport that maps the receivers' memory into this process
-  (``local_address``, CUDA IPC on one host): the sender copies the step's runs from the
-  tensors' storage into the mapped parameters itself, on the current CUDA stream (long runs
-  a copy each, short ones in multi-tensor launches, a row-parallel slice one pitched copy).
+- `MappedDirect`, for a transport that maps the receivers' memory into this process (a
+  `weightsync.transport.MemoryMapper`, CUDA IPC on one host): the sender copies the step's
+  runs from the tensors' storage into the mapped parameters itself, on the current CUDA
+  stream (long runs a copy each, short ones in multi-tensor launches, a row-parallel slice
+  one pitched copy).
   Such a push is a sequence of stream-ordered launches, so it can be captured as a CUDA
   graph (`weightsync.sender.replay`).
 
@@ -33,7 +34,7 @@ from weightsync.plan.types import TargetRank
 
 if TYPE_CHECKING:
     from weightsync.sender.writes import WriteQueue
-    from weightsync.transport import Transport
+    from weightsync.transport import MemoryMapper, Transport
 
 DIRECT_SLOT = -1
 """The `WriteQueue` slot direct writes are filed under: they read no staging slot, and are
@@ -165,14 +166,14 @@ class MappedDirect:
     row-parallel slice as one pitched copy (`weightsync.plan.writes.direct_blocks`).
 
     Args:
-        transport: maps a receiver's registered memory (``local_address``).
+        transport: maps a receiver's registered memory (`MemoryMapper.local_address`).
         failed: where a target that cannot be mapped is recorded (`WriteQueue.failed`).
         params: the mapped parameters, kept by the sender between pushes (filled here).
     """
 
     def __init__(
         self,
-        transport: Any,
+        transport: MemoryMapper,
         *,
         failed: dict[str, TransferError],
         params: dict[tuple[str, str, int], torch.Tensor],

@@ -10,7 +10,7 @@ be kept bound to those addresses and done again on the next sync with no per-ten
   source addresses: one submission per target and a gather per storage.
 
 A captured push is valid for one program (so one plan and stream geometry) and one memory
-key of the export (`weightsync.export.ViewExport.geometry_key`: where its tensors lie). The
+key of the export (`weightsync.export.WeightExport.geometry_key`: where its tensors lie). The
 sender compares the key before the push starts and captures again when it changed (a
 parameter moved). A captured push holds the tensors it reads, so their memory cannot be
 reused under it, and names one per version counter (``pinned``, `weightsync.sender.pins`):

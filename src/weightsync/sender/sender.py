@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.cuda_events import wait_reached
-from weightsync.errors import PartialPushError, TransferError, WeightsRefusedError
+from weightsync.errors import PartialPushError, TransferError
 from weightsync.export.base import WeightExport
-from weightsync.plan.direct import DirectSpec
-from weightsync.plan.geometry import StreamGeometry
 from weightsync.plan.items import SourcePlan
-from weightsync.plan.program import PushProgram, StagingSpec, lower_push
+from weightsync.plan.program import PushProgram, StagingSpec
 from weightsync.plan.types import SourceHolding
+from weightsync.sender.checked import CheckedPush
 from weightsync.sender.config import SenderConfig
 from weightsync.sender.digest import DigestSums
 from weightsync.sender.direct import (
@@ -25,22 +22,28 @@ from weightsync.sender.direct import (
     TransportDirect,
     wait_stream,
 )
-from weightsync.sender.executor import ArrivalTable, ProgramRun, arrival_table
-from weightsync.sender.fences import PushFences
+from weightsync.sender.executor import ProgramRun, arrival_table
+from weightsync.sender.fences import Fence, PushFences
 from weightsync.sender.fill import SlotFiller
+from weightsync.sender.finite import refuse_non_finite
+from weightsync.sender.landing import Landing
 from weightsync.sender.pins import PushPins
+from weightsync.sender.programs import ProgramCache
 from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
-from weightsync.sender.staging import StagingRing, direct_spec, transport_reads
-from weightsync.sender.stats import PushStats
+from weightsync.sender.staging import StagingRing, staging_spec
+from weightsync.sender.stats import (
+    PushStats,
+    merge_stats,
+    partial_error,
+    partial_of_parts,
+    per_target,
+    program_stats,
+)
 from weightsync.sender.writes import WriteQueue
-from weightsync.torch_dtypes import torch_dtype
+from weightsync.transport.base import MemoryMapper
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
-
-# Programs kept per plan: one per stream geometry a rank alternates between (say, a model
-# whose memory moves between two layouts); more would only hold memory.
-_MAX_PROGRAMS = 4
 
 
 class WeightSender:
@@ -50,21 +53,24 @@ class WeightSender:
 
     1. ``holdings = sender.gather_holdings(export)`` (collective) and hand them, with the
        rollout's targets, to `weightsync.plan.build_plan`;
-    2. ``sender.push(plan.for_source(sender.rank), export)`` after every optimizer step (the
-       plan is reused until the targets change);
+    2. after every optimizer step, ``checked = sender.preflight(plan.for_source(sender.rank),
+       export)`` and ``sender.push(checked)`` (the plan is reused until the targets change;
+       a group of ranks agrees between the two that no rank refused);
     3. ``release()`` before a trainer checkpoint save and ``restore()`` after it, if memory
        is tight;
     4. ``close()`` at the end.
 
-    A push runs a program (`weightsync.plan.program`) lowered from the plan and the export's
-    geometry: each tensor the plan needs is copied (and cast) into a staging ring registered
-    with the transport once, in chunks whose writes go out as soon as they are filled, so a
-    push overlaps its fills with its writes. Staging memory is ``num_slots * bucket_bytes``,
-    on the host (pinned when CUDA is available) or, for CUDA tensors and a transport that
-    reads GPU memory, on the GPU. Programs are cached per plan and geometry: a later push
-    whose stream lies in memory the same way runs the same program with no planning left
-    (``PushStats.cached_program``); one whose geometry changed gets a new program before it
-    writes anything. The sender does not own the transport: closing it is the caller's job.
+    A push runs the program (`weightsync.plan.program`) its preflight lowered from the plan
+    and the export's geometry: each tensor the plan needs is copied (and cast) into a staging
+    ring registered with the transport once, in chunks whose writes go out as soon as they
+    are filled, so a push overlaps its fills with its writes. Staging memory is
+    ``num_slots * bucket_bytes``, on the host (pinned when CUDA is available) or, for CUDA
+    tensors and a transport that reads GPU memory, on the GPU. Programs are cached per plan
+    and geometry (`weightsync.sender.programs`): a later preflight whose stream lies in
+    memory the same way finds the same program with no planning left
+    (``PushStats.cached_program``); one whose geometry changed gets a new program before
+    anything is written. The sender does not own the transport: closing it is the caller's
+    job.
     """
 
     def __init__(self, config: SenderConfig, *, transport: Transport, group: Any = None) -> None:
@@ -72,13 +78,27 @@ class WeightSender:
 
         Args:
             config: bucket size, workers, timeouts, staging placement.
-            transport: writes the bytes (a `weightsync.transport.Transport`).
+            transport: writes the bytes (a `weightsync.transport.Transport`); its
+                capabilities are read once, here.
             group: the trainer's torch.distributed process group, or None for a single
                 process.
+
+        Raises:
+            ValueError: the transport declares that it maps receivers' memory and is no
+                `weightsync.transport.MemoryMapper`.
         """
         self.config = config
         self.group = group
         self._transport = transport
+        self._capabilities = transport.capabilities
+        self._mapper: MemoryMapper | None = None
+        if self._capabilities.maps_device_memory:
+            if not isinstance(transport, MemoryMapper):
+                raise ValueError(
+                    f"{type(transport).__name__}'s capabilities say maps_device_memory, but it "
+                    "has no local_address(target_session, addr, num_bytes)"
+                )
+            self._mapper = transport
         if group is None:
             self.rank, self.world_size = 0, 1
         else:
@@ -93,22 +113,14 @@ class WeightSender:
             timeout_s=config.timeout_s,
             max_outstanding_per_peer=config.max_outstanding_per_peer,
         )
-        self._plan: SourcePlan | None = None
-        self._programs: list[_Kept] = []  # the newest first
+        self._programs = ProgramCache()
         self._pushed = False  # a push has completed (check_finite="first" checks until then)
-        # (id(plan), id(export)) a preflight checked, and whether its program was cached then.
-        self._preflighted: tuple[int, int, bool] | None = None
+        self._checked: CheckedPush | None = None  # the preflight a push may still take
         self._sources = SourceMemory.of(transport)
         self._holding: SourceHolding | None = None
         # Receiver parameters mapped into this process, by (session, name, address).
         self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
-        # One interprocess event per device that in-flight copies complete at, and the
-        # push whose copies are in flight (``push(wait=False)``) with the event's handle.
-        self._landing: dict[torch.device, tuple[torch.cuda.Event, str]] = {}
-        self._recorded: tuple[torch.cuda.Event, str] | None = None
-        self._in_flight: tuple[torch.cuda.Event, PushStats] | None = None
-        # The pins of pushed parts whose copies are still in flight, checked once they land.
-        self._landing_pins: list[PushPins] = []
+        self._landing = Landing(config.timeout_s)
         self._fences: PushFences | None = None
         self._closed = False
 
@@ -172,59 +184,64 @@ class WeightSender:
             ValueError: as `weightsync.plan.lower_push` says (a missing tensor, a shape that
                 differs from the plan's, a box out of range); nothing is written.
         """
-        owner = whole if whole is not None else plan
-        if owner is not self._plan:
+        if self._programs.use(whole if whole is not None else plan):
             # A new plan (new targets, or a replica that came back): nothing of the old one's
             # programs, captures or mappings of receiver memory is kept.
-            self._plan, self._programs, self._mapped_params = owner, [], {}
+            self._mapped_params = {}
         geometry = export.geometry()
-        staging = self._staging(plan, geometry)
-        for kept in self._programs:
-            if kept.program.matches(plan, geometry, staging):
-                return kept.program, True
-        program = lower_push(plan, geometry, staging)
-        keep = _MAX_PROGRAMS * max(1, len(owner.parts))
-        self._programs = [_Kept(program), *self._programs[: keep - 1]]
-        return program, False
+        staging = staging_spec(
+            self.config,
+            plan,
+            geometry,
+            capabilities=self._capabilities,
+            write_cost=self._transport.write_cost,
+        )
+        return self._programs.program(plan, geometry, staging)
 
-    def _kept(self, program: PushProgram) -> _Kept:
-        """What is kept for `program` (a record of its own if it is no longer kept)."""
-        for kept in self._programs:
-            if kept.program is program:
-                return kept
-        return _Kept(program)
-
-    def preflight(self, plan: SourcePlan, export: WeightExport) -> None:
-        """Everything `push` checks before it writes: the program (the export holds what the
-        plan needs) and, when due (``config.check_finite``), finite values. A `push` of the
-        same plan and export that follows does not check again.
+    def preflight(self, plan: SourcePlan, export: WeightExport) -> CheckedPush:
+        """Everything a push checks before it writes: the program of each part of `plan`
+        (the export holds what the plan needs) and, when due (``config.check_finite``),
+        finite values. Tells the export a push starts (`WeightExport.begin_push`).
 
         A group of trainer ranks runs it on every rank and pushes only if no rank refused,
-        so that one rank's bad weights leave every replica untouched.
+        so that one rank's bad weights leave every replica untouched. The export's tensors
+        must not move between it and the `push` that takes its result.
+
+        Args:
+            plan: ``sync_plan.for_source(self.rank)``.
+            export: this rank's PP-local export; its tensors may have any dtype (cast to
+                ``plan.dtype``). Tensors the plan does not need from this rank are skipped
+                without a copy.
+
+        Returns:
+            The checked push, for `push` (it replaces any earlier one not pushed yet).
 
         Raises:
-            ValueError: the export does not hold what the plan needs.
+            ValueError: the sender is closed, or the export does not hold what the plan
+                needs in the shapes the plan was built for.
             WeightsRefusedError: a value that is not finite in the rollout's dtype.
         """
         if self._closed:
             raise ValueError("preflight() on a closed WeightSender")
-        _begin_push(export)
+        self._checked = None
+        export.begin_push()
         check = self.config.check_finite
+        due = check == "always" or (check == "first" and not self._pushed)
+        programs = []
         all_cached = True
         for part in plan.parts or (plan,):
             program, cached = self.program_for(part, export, whole=plan)
             all_cached = all_cached and cached
-            if check == "always" or (check == "first" and not self._pushed):
+            if due:
                 refuse_non_finite(program, export)
-        self._preflighted = (id(plan), id(export), all_cached)
+            programs.append(program)
+        self._checked = CheckedPush(
+            plan=plan, export=export, programs=tuple(programs), cached=all_cached, sender=self
+        )
+        return self._checked
 
     def push(
-        self,
-        plan: SourcePlan,
-        export: WeightExport,
-        *,
-        wait: bool = True,
-        fences: Mapping[str, str] | None = None,
+        self, checked: CheckedPush, *, wait: bool = True, fences: Sequence[Fence] = ()
     ) -> PushStats:
         """Write this rank's share of a sync into the plan's targets.
 
@@ -248,28 +265,24 @@ class WeightSender:
         never waited for is checked only up to its return.
 
         Args:
-            plan: ``sync_plan.for_source(self.rank)``.
-            export: this rank's PP-local export; its tensors may have any dtype (cast to
-                ``plan.dtype``). Tensors the plan does not need from this rank are skipped
-                without a copy.
+            checked: what `preflight` of this sender checked, not pushed yet: its plan and
+                export are pushed, running its programs.
             wait: wait for every write to land. With False, a push replayed as a CUDA graph
                 returns once its copies are queued and its digests read
                 (``PushStats.in_flight``, with the IPC handle of the event the copies
                 complete at in ``PushStats.events``); `wait_landed` then waits for them.
                 Other pushes wait either way.
-            fences: by target session id, the IPC handle (hex) of a CUDA event on this host
-                that writes into that target must follow (a replica's fenced begin digest):
-                waited for, up to ``config.timeout_s``, before the first write.
+            fences: CUDA events on this host that writes into their targets must follow (a
+                replica's fenced begin digest): those of the plan's targets are waited for,
+                up to ``config.timeout_s``, before the first write.
 
         Returns:
             What was staged and written, and how long it took.
 
         Raises:
-            ValueError: the export does not hold what the plan needs in the shapes the plan
-                was built for (raised before anything is written), or its stream differs
+            ValueError: `checked` is not this sender's latest preflight, or was pushed
+                already (raised before anything is written); the export's stream differs
                 from its geometry (raised before that tensor is staged).
-            WeightsRefusedError: a value that is not finite in the rollout's dtype (with
-                ``check_finite``); raised before anything is written.
             PartialPushError: writes to some targets failed or timed out (a `TransferError`
                 naming the first target and its parameters; ``failed`` lists every failed
                 target); every write to the other targets landed, and ``result`` holds this
@@ -280,44 +293,49 @@ class WeightSender:
                 drained), so the targets may hold a mix of old and new values. It takes
                 precedence over a `PartialPushError` of the same push.
         """
-        if self._closed:
-            raise ValueError("push() on a closed WeightSender")
-        preflight, self._preflighted = self._preflighted, None
-        checked = preflight is not None and preflight[:2] == (id(plan), id(export))
-        if not checked:
-            _begin_push(export)
-        self._settle()
+        self._take(checked)
+        plan, export = checked.plan, checked.export
+        self._landing.settle()
         if fences:
             self._fences_here().wait(plan, fences, self.config.timeout_s)
         if not plan.parts:
-            stats = self._push_one(plan, export, whole=plan, checked=checked, wait=wait)
+            stats = self._push_one(checked.programs[0], export, checked.cached, wait)
         else:
-            # Every part's program and values are checked before the first part writes.
-            if not checked:
-                self.preflight(plan, export)
-                preflight, self._preflighted = self._preflighted, None
-                checked = True
             done: list[PushStats] = []
-            for part in plan.parts:
+            for program in checked.programs:
                 try:
-                    done.append(self._push_one(part, export, whole=plan, checked=True, wait=wait))
+                    done.append(self._push_one(program, export, checked.cached, wait))
                 except PartialPushError as exc:
-                    raise _partial_of_parts(exc, [*done, exc.result]) from exc
-            stats = _merge_stats(done)
-        if checked and preflight is not None:
-            stats = dataclasses.replace(stats, cached_program=preflight[2])
-        if stats.in_flight:
-            if self._recorded is None:
-                # A later part waited for its writes, and so for the copies before them.
-                stats = dataclasses.replace(stats, in_flight=False)
-            else:
-                # The last part recorded the event on the stream every part's copies use.
-                event, handle = self._recorded
-                stats = dataclasses.replace(stats, events=(handle,))
-                self._in_flight = (event, stats)
-        self._recorded = None
+                    raise partial_of_parts(exc, [*done, exc.result]) from exc
+            stats = merge_stats(done)
+        stats = self._landing.finish(stats)
         self._pushed = True
         return stats
+
+    def _take(self, checked: CheckedPush) -> None:
+        """Accept `checked` for a push, once.
+
+        Raises:
+            ValueError: the sender is closed, or `checked` is not its latest preflight.
+        """
+        if self._closed:
+            raise ValueError("push() on a closed WeightSender")
+        if not isinstance(checked, CheckedPush):
+            raise ValueError(
+                "push() takes the CheckedPush preflight(plan, export) returned, got "
+                f"{type(checked).__name__}"
+            )
+        if checked.sender is not self:
+            raise ValueError(
+                "this CheckedPush came from another WeightSender's preflight(); push it with "
+                "that sender, or preflight the plan with this one"
+            )
+        if checked is not self._checked:
+            raise ValueError(
+                "this CheckedPush was pushed already, or a later preflight() replaced it; "
+                "call preflight(plan, export) again before each push"
+            )
+        self._checked = None
 
     def wait_landed(self) -> float:
         """Wait for the copies a ``push(..., wait=False)`` left in flight.
@@ -332,82 +350,37 @@ class WeightSender:
             TensorChangedError: a tensor the copies read changed between the push taking it
                 and this call seeing the copies done (see `push`).
         """
-        pending, self._in_flight = self._in_flight, None
-        if pending is None:
-            return time.perf_counter()
-        event, stats = pending
-        t0 = time.perf_counter()
-        if wait_reached((event,), self.config.timeout_s):
-            landed = time.perf_counter()
-            self._check_landed()
-            return landed
-        waited = time.perf_counter() - t0
-        failed = {
-            session: TransferError(
-                f"the copies into {session}'s mapped memory did not finish within "
-                f"{self.config.timeout_s:g} s (waited {waited:.1f} s)",
-                target_session=session,
-            )
-            for session in stats.bytes_per_target
-        }
-        raise _partial(failed, stats, num_targets=len(failed))
+        return self._landing.wait()
 
     def _fences_here(self) -> PushFences:
         """What waits for fences on this rank's GPU (the transport's, else the current)."""
         if self._fences is None:
-            device = getattr(self._transport, "device", None)
-            index = device if isinstance(device, int) else torch.cuda.current_device()
+            index = self._capabilities.device
+            if index is None:
+                index = torch.cuda.current_device()
             self._fences = PushFences(torch.device("cuda", index))
         return self._fences
 
-    def _settle(self) -> None:
-        """Wait (up to ``config.timeout_s``) for copies left in flight that nobody waited
-        for, and forget them (their pins unchecked, as `push` says): later work on the stream
-        is ordered after them anyway."""
-        pending, self._in_flight = self._in_flight, None
-        self._landing_pins = []
-        if pending is not None:
-            wait_reached((pending[0],), self.config.timeout_s)
-
-    def _check_landed(self) -> None:
-        """Check the pins of parts whose copies were in flight, now that they landed."""
-        pins, self._landing_pins = self._landing_pins, []
-        for part in pins:
-            part.check(until="its copies being seen landed")
-
     def _push_one(
-        self,
-        plan: SourcePlan,
-        export: WeightExport,
-        *,
-        whole: SourcePlan,
-        checked: bool,
-        wait: bool = True,
+        self, program: PushProgram, export: WeightExport, cached: bool, wait: bool
     ) -> PushStats:
-        """`push` of a plan of one dtype (`plan` is `whole` or one of its parts)."""
+        """Run `program` (of the checked plan, or of one of its parts) from `export`."""
         start = time.perf_counter()
-        program, cached = self.program_for(plan, export, whole=whole)
-        lowered = time.perf_counter()
-        check = self.config.check_finite
-        if not checked and (check == "always" or (check == "first" and not self._pushed)):
-            refuse_non_finite(program, export)
         device = torch.device(program.staging.device)
-        kept = self._kept(program)
+        kept = self._programs.kept(program)
+        found = time.perf_counter()
         if self.config.digest and kept.sums is None:
             kept.sums = DigestSums(program, device=device)
         sums = kept.sums if self.config.digest else None
-        key = getattr(export, "geometry_key", None) if self._replays(program) else None
+        key = export.geometry_key if self._replays(program) else None
         captured = kept.captured
         self._queue.start()
         self._sources.start()
-        if cached and key is not None and captured is not None and captured.key == key:
-            return self._replay(captured, sums, start=start, lowered=lowered, wait=wait)
-        if self._recorded is not None:
-            # An earlier part left its copies in flight; this one returns with every write
-            # landed, so the push does too.
-            wait_reached((self._recorded[0],), self.config.timeout_s)
-            self._recorded = None
-            self._check_landed()
+        if key is not None and captured is not None and captured.key == key:
+            return self._replay(captured, sums, cached, start=start, found=found, wait=wait)
+        # An earlier part left its copies in flight; this one returns with every write
+        # landed, so the push does too.
+        self._landing.wait_recorded()
         ring = self._ring_for(program.staging) if program.steps else None
         writer = self._direct_writer(program, device) if program.direct else None
         if kept.table is None:
@@ -431,16 +404,16 @@ class WeightSender:
             self._queue.drain()
             raise
         t0 = time.perf_counter()
-        digests = _per_target(program, sums.values()) if sums is not None else {}
+        digests = per_target(program, sums.values()) if sums is not None else {}
         digest_seconds = run.times.digest_s + time.perf_counter() - t0
         failed = self._queue.failed
         if key is not None and not failed and writer is not None:
             kept.captured = self._capture(program, key, writer, sums, device)
-        stats = _stats(
+        stats = program_stats(
             self.rank,
             program,
             seconds=time.perf_counter() - start,
-            lower_seconds=lowered - start,
+            lower_seconds=found - start,
             fill_seconds=run.times.fill_s,
             write_seconds=run.times.write_s,
             cached=cached,
@@ -456,8 +429,8 @@ class WeightSender:
         if not failed:
             return stats
         self._queue.drain()
-        self._kept(program).captured = None
-        raise _partial(failed, stats, num_targets=len(program.counters.bytes_per_target))
+        self._programs.kept(program).captured = None
+        raise partial_error(failed, stats, num_targets=len(program.counters.bytes_per_target))
 
     def _replays(self, program: PushProgram) -> bool:
         """Whether pushes of `program` are captured and replayed."""
@@ -468,10 +441,8 @@ class WeightSender:
     ) -> TransportDirect | MappedDirect:
         """What runs `program`'s direct steps: copies into mapped memory where the transport
         maps receivers on the program's GPU, transport writes otherwise."""
-        if device.type == "cuda" and callable(getattr(self._transport, "local_address", None)):
-            return MappedDirect(
-                self._transport, failed=self._queue.failed, params=self._mapped_params
-            )
+        if device.type == "cuda" and self._mapper is not None:
+            return MappedDirect(self._mapper, failed=self._queue.failed, params=self._mapped_params)
         return TransportDirect(self._queue, self._sources)
 
     def _wait_mapped(
@@ -520,9 +491,10 @@ class WeightSender:
         self,
         captured: CapturedPush,
         sums: DigestSums | None,
+        cached: bool,
         *,
         start: float,
-        lowered: float,
+        found: float,
         wait: bool = True,
     ) -> PushStats:
         """Run a captured push again (see `weightsync.sender.replay`); without `wait`, a
@@ -535,33 +507,33 @@ class WeightSender:
         try:
             captured.replay(self._queue, self._sources, sums)
             if in_flight:
-                self._recorded = self._record_landing(torch.device(program.staging.device))
+                self._landing.record(torch.device(program.staging.device))
             else:
                 self._wait_mapped(program, captured)
                 self._queue.wait_all()
             t1 = time.perf_counter()
-            digests = _per_target(program, captured.digests(sums)) if sums is not None else {}
+            digests = per_target(program, captured.digests(sums)) if sums is not None else {}
             if in_flight:
                 # Up to the copies being queued; the rest when they are seen landed.
                 pins.check(until="its copies being queued")
-                self._landing_pins.append(pins)
+                self._landing.keep_pins(pins)
             else:
                 pins.check()
                 if isinstance(captured, GraphPush):
                     # Earlier parts' copies ran ahead of this part's on the stream it waited
                     # for.
-                    self._check_landed()
+                    self._landing.check_pins()
         except BaseException:
             self._queue.drain()
             raise
-        stats = _stats(
+        stats = program_stats(
             self.rank,
             program,
             seconds=time.perf_counter() - start,
-            lower_seconds=lowered - start,
+            lower_seconds=found - start,
             fill_seconds=0.0,
             write_seconds=t1 - t0,
-            cached=True,
+            cached=cached,
             digests=digests,
             digest_seconds=time.perf_counter() - t1,
             replayed=True,
@@ -569,29 +541,15 @@ class WeightSender:
         )
         return self._finished(program, stats)
 
-    def _record_landing(self, device: torch.device) -> tuple[torch.cuda.Event, str]:
-        """Record `device`'s interprocess landing event on its current stream; the event
-        and its IPC handle (hex; one event per device, so the handle stays the same)."""
-        landing = self._landing.get(device)
-        if landing is None:
-            with torch.cuda.device(device):
-                event = torch.cuda.Event(interprocess=True)
-                event.record(torch.cuda.current_stream(device))
-                landing = self._landing[device] = (event, event.ipc_handle().hex())
-            return landing
-        landing[0].record(torch.cuda.current_stream(device))
-        return landing
-
     def release(self) -> None:
         """Unregister and free the staging memory (e.g. before a trainer checkpoint save),
         unregister the trainer memory direct writes read, and drop the captured pushes (they
         hold the tensors they read)."""
-        self._settle()
+        self._landing.settle()
         self._queue.drain()
         if self._ring is not None:
             self._ring.free()
-        for kept in self._programs:
-            kept.captured = None
+        self._programs.drop_captures()
         self._mapped_params = {}
         self._sources.release()
 
@@ -610,26 +568,6 @@ class WeightSender:
         self._filler.close()
         self._closed = True
 
-    def _staging(self, plan: SourcePlan, geometry: StreamGeometry) -> StagingSpec:
-        """Where this push stages: decided by the first tensor the plan reads."""
-        device = torch.device("cpu")
-        for key, tensor in zip(geometry.keys, geometry.tensors, strict=True):
-            if key in plan.work:
-                device = torch.device(tensor.device)
-                break
-        staging_device = self._staging_device(device)
-        direct = DirectSpec()
-        if transport_reads(self._transport, staging_device):
-            direct = direct_spec(self.config.direct, self._transport.write_cost, staging_device)
-        return StagingSpec(
-            device=str(staging_device),
-            num_slots=self.config.num_slots,
-            slot_bytes=self.config.slot_bytes,
-            chunk_bytes=self.config.slot_chunk_bytes(staging_device),
-            stream_ordered=bool(getattr(self._transport, "stream_ordered", False)),
-            direct=direct,
-        )
-
     def _ring_for(self, staging: StagingSpec) -> StagingRing:
         """The staging ring of `staging`, allocated (and registered) on first use."""
         ring = self._ring
@@ -647,217 +585,3 @@ class WeightSender:
             )
         ring.allocate()
         return ring
-
-    def _staging_device(self, device: torch.device) -> torch.device:
-        staging = self.config.staging
-        if staging == "host":
-            return torch.device("cpu")
-        on_gpu = device.type == "cuda"
-        readable = on_gpu and transport_reads(self._transport, device)
-        if staging == "cuda" and not readable:
-            raise ValueError(
-                f"SenderConfig.staging='cuda' needs CUDA tensors and a transport that reads GPU "
-                f"memory; the tensors are on {device} and the transport "
-                f"{'does not' if on_gpu else 'was not asked'}; use staging='auto' or 'host'"
-            )
-        return device if readable else torch.device("cpu")
-
-
-def _partial(
-    failed: dict[str, TransferError], stats: PushStats, *, num_targets: int
-) -> PartialPushError:
-    first = next(iter(failed.values()))
-    others = f" ({len(failed)} of {num_targets} targets failed)" if num_targets > 1 else ""
-    return PartialPushError(
-        f"{first}{others}",
-        failed={session: str(exc) for session, exc in failed.items()},
-        result=stats,
-        target_session=first.target_session,
-        byte_ranges=first.byte_ranges,
-        return_code=first.return_code,
-        param_name=first.param_name,
-    )
-
-
-def _stats(
-    rank: int,
-    program: PushProgram,
-    *,
-    seconds: float,
-    lower_seconds: float,
-    fill_seconds: float,
-    write_seconds: float,
-    cached: bool,
-    digests: dict[str, dict[str, int]],
-    digest_seconds: float,
-    replayed: bool = False,
-    in_flight: bool = False,
-) -> PushStats:
-    """The `PushStats` of one execution of `program`."""
-    counters = program.counters
-    return PushStats(
-        rank=rank,
-        bytes_staged=counters.bytes_staged,
-        bytes_written=counters.bytes_written,
-        num_writes=counters.num_writes,
-        num_regions=counters.num_regions,
-        num_buckets=counters.num_buckets,
-        num_chunks=counters.num_chunks,
-        num_copies=counters.num_copies,
-        seconds=seconds,
-        lower_seconds=lower_seconds,
-        fill_seconds=fill_seconds,
-        write_seconds=write_seconds,
-        bytes_per_target=dict(counters.bytes_per_target),
-        cached_program=cached,
-        digests=digests,
-        digest_seconds=digest_seconds,
-        bytes_direct=counters.bytes_direct,
-        replayed=replayed,
-        in_flight=in_flight,
-        writes_per_target=dict(counters.writes_per_target),
-    )
-
-
-def _begin_push(export: WeightExport) -> None:
-    """Tell an export that caches per push (`weightsync.export.Fp8Export`) a push starts."""
-    begin = getattr(export, "begin_push", None)
-    if callable(begin):
-        begin()
-
-
-def _merge_stats(parts: list[PushStats]) -> PushStats:
-    """The stats of a push of several parts (one per dtype) as one push's."""
-    per_target: dict[str, int] = {}
-    writes: dict[str, int] = {}
-    digests: dict[str, dict[str, int]] = {}
-    for stats in parts:
-        for session, num_bytes in stats.bytes_per_target.items():
-            per_target[session] = per_target.get(session, 0) + num_bytes
-        for session, num_writes in stats.writes_per_target.items():
-            writes[session] = writes.get(session, 0) + num_writes
-        for session, values in stats.digests.items():
-            digests.setdefault(session, {}).update(values)
-    return PushStats(
-        rank=parts[0].rank,
-        bytes_staged=sum(s.bytes_staged for s in parts),
-        bytes_written=sum(s.bytes_written for s in parts),
-        num_writes=sum(s.num_writes for s in parts),
-        num_regions=sum(s.num_regions for s in parts),
-        num_buckets=sum(s.num_buckets for s in parts),
-        num_chunks=sum(s.num_chunks for s in parts),
-        num_copies=sum(s.num_copies for s in parts),
-        seconds=sum(s.seconds for s in parts),
-        lower_seconds=sum(s.lower_seconds for s in parts),
-        fill_seconds=sum(s.fill_seconds for s in parts),
-        write_seconds=sum(s.write_seconds for s in parts),
-        bytes_per_target=per_target,
-        cached_program=all(s.cached_program for s in parts),
-        digests=digests,
-        digest_seconds=sum(s.digest_seconds for s in parts),
-        bytes_direct=sum(s.bytes_direct for s in parts),
-        replayed=all(s.replayed for s in parts),
-        in_flight=any(s.in_flight for s in parts),
-        writes_per_target=writes,
-    )
-
-
-def _partial_of_parts(exc: PartialPushError, done: list[PushStats]) -> PartialPushError:
-    """`exc` of one part, its result what every part so far wrote."""
-    return PartialPushError(
-        str(exc),
-        failed=exc.failed,
-        result=_merge_stats(done),
-        target_session=exc.target_session,
-        byte_ranges=exc.byte_ranges,
-        return_code=exc.return_code,
-        param_name=exc.param_name,
-    )
-
-
-@dataclasses.dataclass(eq=False)
-class _Kept:
-    """A lowered program and what its pushes keep: its digest sums and arrival table (built
-    on its first push) and its captured push (while it replays)."""
-
-    program: PushProgram
-    sums: DigestSums | None = None
-    table: ArrivalTable | None = None
-    captured: CapturedPush | None = None
-
-
-def _per_target(
-    program: PushProgram, sums: dict[tuple[int, str], int]
-) -> dict[str, dict[str, int]]:
-    """The digests of a push by target session id; the targets of one layout share one dict
-    (it pickles once)."""
-    per_layout: dict[int, dict[str, int]] = {}
-    for (layout_id, param_name), value in sums.items():
-        per_layout.setdefault(layout_id, {})[param_name] = value
-    return {
-        target.session_id: per_layout.get(layout_id, {})
-        for layout_id, targets in program.plan.targets.items()
-        for target in targets
-    }
-
-
-def refuse_non_finite(program: PushProgram, export: WeightExport) -> None:
-    """Raise, before anything is written, if a tensor the program reads holds a value that is
-    NaN or infinite once cast to the rollout's dtype (a float32 weight of 3.4e38 is finite,
-    and infinite in bfloat16).
-
-    Reads every such tensor once: the largest magnitude of each (a multi-tensor reduction
-    over batches of the stream, so a MoE's thousands of experts cost a few launches, and at
-    most a batch is held at a time) decides, as a NaN propagates and rounding is monotonic.
-
-    Raises:
-        WeightsRefusedError: naming the tensor, the trainer rank and what to do.
-    """
-    dtype = torch_dtype(program.dtype)
-    if not dtype.is_floating_point:
-        return
-    needed = set(program.keys)
-    batch: list[tuple[str, torch.Tensor]] = []
-    batch_bytes = 0
-    with torch.no_grad():
-        for name, tensor in export:
-            if name not in needed or not tensor.is_floating_point() or tensor.numel() == 0:
-                continue
-            if tensor.element_size() == 1:
-                # FP8 codes: a quantiser's output, finite by construction; a NaN or infinity
-                # in its input makes the block's float32 scale non-finite, checked here too.
-                continue
-            batch.append((name, tensor))
-            batch_bytes += tensor.numel() * tensor.element_size()
-            if len(batch) == _FINITE_BATCH or batch_bytes >= _FINITE_BATCH_BYTES:
-                _check_finite(batch, dtype, program)
-                batch, batch_bytes = [], 0
-        if batch:
-            _check_finite(batch, dtype, program)
-
-
-# Tensors per multi-tensor reduction of the finite check, and the bytes after which a batch
-# is checked sooner: an export that reads its tensors into memory of their own (a checkpoint
-# on disk, `weightsync.export.CheckpointExport`) holds a batch in host memory.
-_FINITE_BATCH = 1024
-_FINITE_BATCH_BYTES = 1 << 30
-
-
-def _check_finite(
-    batch: list[tuple[str, torch.Tensor]], dtype: torch.dtype, program: PushProgram
-) -> None:
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in batch:
-        groups.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
-    for members in groups.values():
-        peaks = torch.stack(torch._foreach_norm([t for _, t in members], float("inf")))
-        finite = torch.isfinite(peaks.to(dtype))
-        if bool(finite.all()):
-            continue
-        name = members[int((~finite).nonzero()[0])][0]
-        raise WeightsRefusedError(
-            f"trainer rank {program.plan.rank}: HF tensor {name!r} holds values that "
-            f"are not finite in the rollout's {program.dtype} (NaN, or beyond its range "
-            "once cast); nothing was written. Fix the trainer's weights, or set "
-            "SenderConfig(check_finite='never') to write them anyway"
-        )

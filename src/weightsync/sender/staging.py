@@ -1,4 +1,5 @@
-"""`StagingRing`: the registered memory a sender stages buckets in before writing them."""
+"""`StagingRing`: the registered memory a sender stages buckets in before writing them, and
+where a push stages (`staging_spec`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import torch
 
 from weightsync.errors import WeightSyncError
 from weightsync.plan.direct import DirectPolicy, DirectSpec
+from weightsync.plan.geometry import StreamGeometry
+from weightsync.plan.items import SourcePlan
+from weightsync.plan.program import StagingSpec
+from weightsync.sender.config import SenderConfig
 
 if TYPE_CHECKING:
-    from weightsync.transport import Transport, WriteCost
+    from weightsync.transport import Transport, TransportCapabilities, WriteCost
 
 HOST_STAGE_BYTES_PER_S = 10e9
 """The rate a sender copies into a host staging ring, as direct writes are weighed against it:
@@ -41,16 +46,55 @@ def direct_spec(policy: DirectPolicy, cost: WriteCost, device: torch.device) -> 
     )
 
 
-def transport_reads(transport: Transport, device: torch.device) -> bool:
-    """Whether `transport` can read registered memory on `device`.
+def staging_spec(
+    config: SenderConfig,
+    plan: SourcePlan,
+    geometry: StreamGeometry,
+    *,
+    capabilities: TransportCapabilities,
+    write_cost: WriteCost,
+) -> StagingSpec:
+    """Where a push of `plan` stages and what it may write directly: decided by the device
+    of the first tensor the plan reads, the config and what the transport reads.
 
-    Host memory is always readable. For other devices the transport is asked through its
-    optional ``supports_device(device) -> bool``; a transport without it reads host memory only.
+    Raises:
+        ValueError: ``config.staging == "cuda"`` and the tensors are not on a GPU the
+            transport reads.
     """
-    if device.type == "cpu":
-        return True
-    supports = getattr(transport, "supports_device", None)
-    return bool(callable(supports) and supports(device))
+    device = torch.device("cpu")
+    for key, tensor in zip(geometry.keys, geometry.tensors, strict=True):
+        if key in plan.work:
+            device = torch.device(tensor.device)
+            break
+    staging_device = _staging_device(config, capabilities, device)
+    direct = DirectSpec()
+    if capabilities.reads(staging_device.type, staging_device.index):
+        direct = direct_spec(config.direct, write_cost, staging_device)
+    return StagingSpec(
+        device=str(staging_device),
+        num_slots=config.num_slots,
+        slot_bytes=config.slot_bytes,
+        chunk_bytes=config.slot_chunk_bytes(staging_device),
+        stream_ordered=capabilities.stream_ordered,
+        direct=direct,
+    )
+
+
+def _staging_device(
+    config: SenderConfig, capabilities: TransportCapabilities, device: torch.device
+) -> torch.device:
+    staging = config.staging
+    if staging == "host":
+        return torch.device("cpu")
+    on_gpu = device.type == "cuda"
+    readable = on_gpu and capabilities.reads(device.type, device.index)
+    if staging == "cuda" and not readable:
+        raise ValueError(
+            f"SenderConfig.staging='cuda' needs CUDA tensors and a transport that reads GPU "
+            f"memory; the tensors are on {device} and the transport "
+            f"{'does not' if on_gpu else 'was not asked'}; use staging='auto' or 'host'"
+        )
+    return device if readable else torch.device("cpu")
 
 
 class StagingRing:

@@ -67,12 +67,6 @@ class WriteQueue:
         """Begin a push: no target has failed yet."""
         self.failed = {}
 
-    @property
-    def stream_ordered(self) -> bool:
-        """Whether the transport's writes can wait on the GPU for a CUDA stream that is
-        still producing their sources (see `submit`'s ``after_stream``)."""
-        return bool(getattr(self._transport, "stream_ordered", False))
-
     def submit(
         self,
         target: TargetRank,
@@ -89,9 +83,9 @@ class WriteQueue:
             writes: the requests, in order; their sources are offsets from `ring_base`.
             ring_base: the address of the staging ring's first byte.
             slot: the staging slot they read.
-            after_stream: with a `stream_ordered` transport, the raw CUDA stream whose queued
-                copies fill the slot: the writes wait for them on the GPU. None: the slot's
-                bytes are final already.
+            after_stream: with a transport whose capabilities say ``stream_ordered``, the
+                raw CUDA stream whose queued copies fill the slot: the writes wait for them
+                on the GPU. None: the slot's bytes are final already.
 
         A target that failed in this push gets no more writes; a refusal or failure met
         here is recorded in `failed`.

@@ -1,4 +1,4 @@
-"""The main HTTP server of a reference replica: every route of PROTOCOL.md, and the routes
+"""The main HTTP server of a reference replica: every route of docs/protocol.md, and the routes
 of the server extensions it was given (`weightsync.server.extensions`; the broadcast
 baseline's ``init_weights_update_group`` and its kin come that way).
 
@@ -113,8 +113,8 @@ def create_main_app(
 
     With `api_key`, every route but ``/health`` and ``/ready`` needs ``Authorization: Bearer
     <api_key>`` (as SGLang), judged before a body is read (`require_key_before_body`). Each
-    of `extensions` adds its routes. With `direct_routes` the fused lifecycle calls skip
-    the framework (`DirectApp`), answering as its routes do.
+    of `extensions` adds its routes. With `direct_routes` a server's connections answer the
+    fused lifecycle calls on the fast path (`weightsync.server.direct`), as its routes do.
     """
     app = DirectApp(
         title="weightsync reference rollout server",
@@ -383,7 +383,7 @@ def _add_fused_routes(
     app: FastAPI, controller: ReplicaController, authorized: list
 ) -> tuple[DirectRoute, ...]:
     """``/begin_weight_sync`` and ``/end_weight_sync`` (capability ``weight_sync_fused``);
-    returns them as direct routes over the same handlers (`DirectRoutes`)."""
+    returns them as direct routes over the same handlers, for the fast path."""
 
     def refused(exc: StepRefusedError) -> JSONResponse:
         body = {"success": False, "message": str(exc), "completed": list(exc.completed)}

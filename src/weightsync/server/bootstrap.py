@@ -1,4 +1,5 @@
-"""The engine-info bootstrap server (PROTOCOL.md): ranks register, trainers look them up."""
+"""The engine-info bootstrap server (docs/protocol.md, "Bootstrap server"): ranks register,
+trainers look them up."""
 
 from __future__ import annotations
 

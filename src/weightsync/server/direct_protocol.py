@@ -20,16 +20,12 @@ already closed the connection is dropped, not run: a replica that was frozen (st
 swapped out) and wakes up finds the calls its clients gave up on with their connections
 closed behind them, and must not pause itself or open a session for a client that left.
 
-Why answer direct routes here: a fused lifecycle call's own work takes a tenth of a
-millisecond; through uvicorn it also pays for an ASGI task, its scope and message dicts, a
-reply object sent in two messages through every layer, and a turn of the event loop between
-them (about 0.2 ms on loopback, twice that on a host that was idle). Here a direct route's
-request is answered with `DirectRoutes` and its reply written in one write.
-
-Every other request is fed, exactly its bytes, to uvicorn's protocol (`_FrameworkProtocol`),
-which serves it as it serves any; once it replied, the connection is this protocol's again.
-An authenticated request whose body this protocol does not frame (chunked, ``Expect``, an
-upgrade) hands the connection to uvicorn for good.
+Every other request is fed, exactly its bytes, to uvicorn's protocol
+(`weightsync.server.framework_handoff`), which serves it through FastAPI as it serves any;
+once it replied, the connection is this protocol's again. An authenticated request whose
+body this protocol does not frame (chunked, ``Expect``, an upgrade) hands the connection to
+uvicorn for good. Why the direct routes skip the framework, with the measured costs of both
+paths: `weightsync.server.direct`.
 """
 
 from __future__ import annotations
@@ -38,21 +34,18 @@ import asyncio
 import functools
 import http
 import logging
-import select
-import socket
 import sys
-import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
-import httptools
 from fastapi import FastAPI, Response
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from weightsync.server.connections import ConnectionLimits, ConnectionTable
 from weightsync.server.direct import DirectApp, DirectRoutes
+from weightsync.server.framework_handoff import FrameworkProtocol
 from weightsync.server.gate import HeadGate
 from weightsync.server.http import carries_api_key, error_response
+from weightsync.server.request_head import RequestHead, client_left
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("uvicorn.access")
@@ -141,16 +134,12 @@ class DirectHttpProtocol(asyncio.Protocol):
         self._client = ""
         self._buffer = bytearray()
         self._authenticated = False  # a request with the key came on this connection
-        self._head: _Head | None = None  # the head of a direct request whose body is awaited
+        self._head: RequestHead | None = None  # the head of a direct request whose body is awaited
         self._discard = 0  # bytes of a refused request's body still to drop
         self._close_after_discard = False
         self._busy = False  # a direct request is being answered
         self._closing = False  # close once the direct request being answered is
-        self._framework: _FrameworkProtocol | None = None
-        self._forwarded: _Head | None = None  # the request uvicorn serves now
-        self._forward = 0  # bytes of it still to hand to uvicorn
-        self._replied = False  # uvicorn answered it
-        self._passthrough = False  # uvicorn has the connection for good
+        self._framework: FrameworkProtocol | None = None  # made on the first request it serves
         self._timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
@@ -178,18 +167,15 @@ class DirectHttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         """Take bytes of the next requests; answer each once it is whole."""
-        if self._passthrough:
-            assert self._framework is not None
-            self._framework.data_received(data)
+        framework = self._framework
+        if framework is not None and framework.for_good:
+            framework.data_received(data)
             return
         if self._authenticated:
             self._disarm()
-        if self._forward:
-            assert self._framework is not None
-            chunk, data = data[: self._forward], data[self._forward :]
-            self._forward -= len(chunk)
-            self._framework.data_received(chunk)
-            if not self._forward:
+        if framework is not None and framework.remaining:
+            data = framework.feed(data)
+            if not framework.remaining:
                 self._forwarded_all()
         self._buffer += data
         if self._busy or self._forwarded is not None:
@@ -220,7 +206,9 @@ class DirectHttpProtocol(asyncio.Protocol):
         being written."""
         if self._busy:
             self._closing = True
-        elif self._framework is not None and (self._passthrough or self._forwarded is not None):
+        elif self._framework is not None and (
+            self._framework.for_good or self._framework.request is not None
+        ):
             self._framework.shutdown()
         elif self._transport is not None:
             self._transport.close()
@@ -263,7 +251,7 @@ class DirectHttpProtocol(asyncio.Protocol):
                     )
                     self._reply(None, error_response(message, 431), keep_alive=False)
                 return
-            head = _Head.parse(bytes(self._buffer[: end + len(_HEAD_END)]))
+            head = RequestHead.parse(bytes(self._buffer[: end + len(_HEAD_END)]))
             if head is None:
                 message = "the request head does not parse as HTTP/1.1"
                 self._reply(None, error_response(message, 400), keep_alive=False)
@@ -275,7 +263,7 @@ class DirectHttpProtocol(asyncio.Protocol):
         body = bytes(self._buffer[head.head_bytes : head.size])
         del self._buffer[: head.size]
         self._head = None
-        if _client_left(transport):
+        if client_left(transport):
             # The client gave up on it (its timeout passed while this replica could not
             # read) and closed the connection: running it now would act for nobody.
             logger.warning(
@@ -292,7 +280,7 @@ class DirectHttpProtocol(asyncio.Protocol):
             self._server_state.tasks.add(task)
             task.add_done_callback(self._server_state.tasks.discard)
 
-    def _take(self, head: _Head) -> bool:
+    def _take(self, head: RequestHead) -> bool:
         """Judge a request from its whole head: refuse it, hand it to uvicorn, or await its
         body here. True: it is a direct route's, and its body is awaited."""
         routes = self._routes
@@ -333,7 +321,7 @@ class DirectHttpProtocol(asyncio.Protocol):
             self._reply(head, error_response(message, 400), keep_alive=False)
         return False
 
-    def _refuse(self, head: _Head, refusal: Response) -> None:
+    def _refuse(self, head: RequestHead, refusal: Response) -> None:
         """Answer `refusal` from the head; drop the request's body as it comes, up to a
         mebibyte, then close when it was longer (or unknown, or the client asked)."""
         del self._buffer[: head.head_bytes]
@@ -365,7 +353,7 @@ class DirectHttpProtocol(asyncio.Protocol):
         self._arm()
         return True
 
-    async def _answer(self, head: _Head, body: bytes) -> None:
+    async def _answer(self, head: RequestHead, body: bytes) -> None:
         assert self._routes is not None
         try:
             response = await self._routes.answer(head.path, body, head.content_type)
@@ -384,7 +372,7 @@ class DirectHttpProtocol(asyncio.Protocol):
 
     def _reply(
         self,
-        head: _Head | None,
+        head: RequestHead | None,
         response: Response,
         *,
         keep_alive: bool,
@@ -419,11 +407,16 @@ class DirectHttpProtocol(asyncio.Protocol):
 
     # Requests uvicorn serves
 
-    def _framework_protocol(self) -> _FrameworkProtocol:
+    @property
+    def _forwarded(self) -> RequestHead | None:
+        """The request uvicorn serves now, or None."""
+        return self._framework.request if self._framework is not None else None
+
+    def _framework_protocol(self) -> FrameworkProtocol:
         """uvicorn's protocol on this connection (made on first use)."""
         if self._framework is None:
             assert self._transport is not None
-            self._framework = _FrameworkProtocol(
+            self._framework = FrameworkProtocol(
                 config=self._config,
                 server_state=self._server_state,
                 app_state=self._app_state,
@@ -435,58 +428,51 @@ class DirectHttpProtocol(asyncio.Protocol):
             self._server_state.connections.discard(self._framework)
         return self._framework
 
-    def _forward_request(self, head: _Head) -> None:
+    def _forward_request(self, head: RequestHead) -> None:
         """Hand `head`'s request to uvicorn: the bytes buffered now, the rest as they come."""
         framework = self._framework_protocol()
-        self._forwarded, self._replied = head, False
         data = bytes(self._buffer[: head.size])
         del self._buffer[: head.size]
-        self._forward = head.size - len(data)
-        if self._forward and not self._authenticated:
+        if head.size > len(data) and not self._authenticated:
             self._arm()  # the body's time
         else:
             self._disarm()
-        framework.data_received(data)
-        if not self._forward:
+        framework.forward(head, data)
+        if not framework.remaining:
             self._forwarded_all()
 
     def _forwarded_all(self) -> None:
         """uvicorn has every byte of its request."""
-        if self._replied:
+        framework = self._framework
+        if framework is not None and framework.replied:
             self._forwarded_done()
         else:
             self._disarm()
 
     def framework_replied(self) -> None:
-        """uvicorn answered the request it was handed (called by `_FrameworkProtocol`)."""
-        self._replied = True
-        if self._forward:
+        """uvicorn answered the request it was handed (called by `FrameworkProtocol`)."""
+        framework = self._framework
+        if framework is not None and framework.remaining:
             return  # uvicorn drops the rest of its body as it comes
         self._forwarded_done()
         self._next()
 
     def _forwarded_done(self) -> None:
-        self._forwarded, self._replied = None, False
+        if self._framework is not None:
+            self._framework.done()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
             self._arm()
-
-    @property
-    def passthrough(self) -> bool:
-        """Whether uvicorn's protocol has the connection for good."""
-        return self._passthrough
 
     def _hand_over(self) -> None:
         """Give the connection, with every byte not answered here, to uvicorn's protocol for
         good (an authenticated request whose body it frames itself)."""
         framework = self._framework_protocol()
-        self._passthrough = True
         self._disarm()
         data, self._buffer = bytes(self._buffer), bytearray()
         assert self._transport is not None
         self._transport.resume_reading()
-        if data:
-            framework.data_received(data)
+        framework.take_for_good(data)
 
     # Timers
 
@@ -517,11 +503,10 @@ class DirectHttpProtocol(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing() or self._busy:
             return
+        framework = self._framework
         forwarded = self._forwarded
-        if forwarded is not None:
-            framework = self._framework
-            cycle = framework.cycle if framework is not None else None
-            if self._forward and (cycle is None or not cycle.response_started):
+        if framework is not None and forwarded is not None:
+            if framework.remaining and not framework.response_started:
                 what = f"body of {forwarded.method} {forwarded.path}"
                 self._reply(forwarded, self._limits.request_timeout(what), keep_alive=False)
             else:
@@ -535,145 +520,6 @@ class DirectHttpProtocol(asyncio.Protocol):
             self._reply(None, self._limits.request_timeout("request head"), keep_alive=False)
         else:
             transport.close()  # idle
-
-
-class _FrameworkProtocol(HttpToolsProtocol):
-    """uvicorn's protocol, serving the requests a `DirectHttpProtocol` hands it (exactly
-    their bytes) and telling it when each is answered; between them that protocol keeps the
-    connection and times it, unless it handed the connection over for good."""
-
-    def __init__(self, *args: Any, front: DirectHttpProtocol, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._front = front
-
-    def on_response_complete(self) -> None:
-        """The reply went out: the connection is the front's again."""
-        super().on_response_complete()
-        if not (self._front.passthrough or self.transport.is_closing()):
-            self._front.framework_replied()
-
-    def timeout_keep_alive_handler(self) -> None:
-        """Close an idle connection, only where it is uvicorn's for good (the front times
-        the connection otherwise)."""
-        if self._front.passthrough:
-            super().timeout_keep_alive_handler()
-
-
-class _Head:
-    """A request's head, as far as judging it and answering a direct route need."""
-
-    __slots__ = (
-        "_parser",
-        "_url",
-        "authorization",
-        "chunked",
-        "content_length",
-        "content_type",
-        "direct",
-        "expects_continue",
-        "head_bytes",
-        "keep_alive",
-        "method",
-        "path",
-        "size",
-        "unusual",
-        "version",
-    )
-
-    def __init__(self, head_bytes: int) -> None:
-        self.head_bytes = head_bytes
-        self.method = ""
-        self.path = ""
-        self.version = ""
-        self.authorization: str | None = None
-        self.content_type: str | None = None
-        self.content_length: int | None = None
-        self.keep_alive = False
-        self.size = head_bytes
-        self.chunked = False
-        self.expects_continue = False
-        # A body framed otherwise than by Content-Length (chunked), Expect, or an upgrade.
-        self.unusual = False
-        # Answerable as a direct route: framed by Content-Length, no query, nothing escaped.
-        self.direct = False
-        self._url = b""
-        self._parser: httptools.HttpRequestParser | None = None
-
-    @classmethod
-    def parse(cls, data: bytes) -> _Head | None:
-        """The head `data` (ending with its blank line), or None when it does not parse."""
-        head = cls(len(data))
-        head._parser = httptools.HttpRequestParser(head)
-        try:
-            head._parser.feed_data(data)
-            url = httptools.parse_url(head._url)
-            path = (url.path or b"").decode("ascii")
-        except (httptools.HttpParserError, UnicodeDecodeError):
-            return None
-        head._parser = None
-        if not head.method or not path:
-            return None
-        # The path as uvicorn puts it in the request's scope, which the routes match.
-        head.path = urllib.parse.unquote(path) if "%" in path else path
-        head.direct = not (head.unusual or url.query or "%" in path)
-        head.size = head.head_bytes + (head.content_length or 0)
-        return head
-
-    # httptools' callbacks
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        match name.lower():
-            case b"authorization":
-                self.authorization = value.decode("latin-1")
-            case b"content-type":
-                self.content_type = value.decode("latin-1")
-            case b"content-length":
-                # llhttp has checked it: digits, and one value.
-                self.content_length = int(value)
-            case b"transfer-encoding":
-                self.chunked = self.unusual = True
-            case b"expect":
-                self.expects_continue = value.strip().lower() == b"100-continue"
-                self.unusual = True
-            case b"upgrade":
-                self.unusual = True
-
-    def on_headers_complete(self) -> None:
-        # Asked now: once a message without a body is complete, the parser has reset.
-        parser = self._parser
-        assert parser is not None
-        self.method = parser.get_method().decode("latin-1")
-        self.version = parser.get_http_version()
-        self.keep_alive = parser.should_keep_alive()
-        self.unusual |= parser.should_upgrade()
-
-
-def _client_left(transport: asyncio.Transport) -> bool:
-    """Whether the client closed the connection after its last request (or reset it): an
-    end of stream is waiting to be read. A look at the socket, nothing read."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
-    fd = sock.fileno()
-    if fd < 0:
-        return False
-    # poll, not select: a server holding hundreds of connections has descriptors past 1024.
-    readable = select.poll()
-    readable.register(fd, select.POLLIN)
-    if not readable.poll(0):
-        return False
-    # Readable: more bytes (a request written ahead) or the end of the stream. A duplicate of
-    # the descriptor peeks without touching the event loop's own socket object.
-    with socket.socket(fileno=socket.dup(fd)) as peek:
-        try:
-            return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Server extensions: routes and rank commands that packages above the server add to it.
 
-The reference replica serves PROTOCOL.md's routes itself. Routes that belong to another
+The reference replica serves the routes of docs/protocol.md itself. Routes that belong to another
 audience (the broadcast baseline's ``init_weights_update_group`` and its kin) live with that
 audience and plug in here, so that the server never imports them and a rank builds their
 state only when one of their commands arrives.

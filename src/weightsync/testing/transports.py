@@ -6,12 +6,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.errors import TransferError
-from weightsync.transport.base import Transport, WriteCost
+from weightsync.transport.base import HOST_ONLY, Transport, TransportCapabilities, WriteCost
 
 
 class FailsAfter:
     """Wraps a transport; once `remaining` writes went out, every further write raises
     `TransferError`, as a dead NIC or a killed peer would make it fail.
+
+    It writes from host memory only, whatever the wrapped transport offers: every write then
+    passes through its `write`, where a failure is injected.
 
     Args:
         inner: the transport that does the real writes.
@@ -35,6 +38,11 @@ class FailsAfter:
     def write_cost(self) -> WriteCost:
         """The wrapped transport's cost of a write."""
         return self.inner.write_cost
+
+    @property
+    def capabilities(self) -> TransportCapabilities:
+        """Host memory only (see the class docstring)."""
+        return HOST_ONLY
 
     def register(self, addr: int, num_bytes: int) -> None:
         """Register with the wrapped transport."""

@@ -4,13 +4,22 @@
 call sequence and failure semantics). `MooncakeTransport` writes over Mooncake TransferEngine
 (RDMA across nodes, TCP where there is no RDMA NIC); `CudaIpcTransport` copies between GPUs of
 one host over CUDA IPC. Each is configured by a frozen config (`MooncakeConfig`,
-`CudaIpcConfig`) and made by `open_transport`. Transports know bytes and addresses only, never
+`CudaIpcConfig`) and made by `open_transport`, and declares what it offers beyond writes from
+host memory in a `TransportCapabilities`. Transports know bytes and addresses only, never
 parameter names.
 """
 
 from __future__ import annotations
 
-from weightsync.transport.base import Transport, WriteCost, WriteHandle, register_tensor
+from weightsync.transport.base import (
+    HOST_ONLY,
+    MemoryMapper,
+    Transport,
+    TransportCapabilities,
+    WriteCost,
+    WriteHandle,
+    register_tensor,
+)
 from weightsync.transport.cuda_ipc import CudaIpcConfig, CudaIpcTransport
 from weightsync.transport.mooncake import MooncakeConfig, MooncakeTransport
 
@@ -54,12 +63,15 @@ def open_transport(config: TransportConfig) -> Transport:
 
 
 __all__ = [
+    "HOST_ONLY",
     "TRANSPORTS",
     "CudaIpcConfig",
     "CudaIpcTransport",
+    "MemoryMapper",
     "MooncakeConfig",
     "MooncakeTransport",
     "Transport",
+    "TransportCapabilities",
     "TransportConfig",
     "WriteCost",
     "WriteHandle",

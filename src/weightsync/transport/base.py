@@ -17,11 +17,12 @@ Every transport states what a write costs it (`write_cost`, a `WriteCost`): the 
 lowering weighs it to choose, per piece of a tensor, between a write straight from the
 trainer's memory and a copy into its staging ring (`weightsync.plan.direct`).
 
-Optional capabilities, looked up with ``getattr``: ``supports_device(device) -> bool`` (the
-transport can read registered memory on that device, not only host memory) and
-``stream_ordered = True`` (`write` takes ``after_stream=``, a raw CUDA stream whose queued
+What a transport offers beyond writes from registered host memory it declares once, in
+`Transport.capabilities` (a `TransportCapabilities`): whether it reads registered GPU memory
+and of which device, whether `write` takes ``after_stream=`` (a raw CUDA stream whose queued
 work produces the source bytes; the copies wait for it on the GPU, so the writer need not
-synchronize first).
+synchronize first), and whether it maps a receiver's memory into this process for the writer
+to copy into itself (then it is a `MemoryMapper` too).
 
 Failure semantics: `wait` raises `TransferError` when a region could not be written or the
 timeout passed. Such a write may still land later, so the caller treats the destination as
@@ -79,6 +80,65 @@ class WriteCost:
         return num_writes * self.write_s + num_bytes / self.bytes_per_s
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportCapabilities:
+    """What a transport can do beyond writing from registered host memory.
+
+    The defaults describe a transport that reads host memory only. A writer reads them once
+    (per sender, not per write) and checks the fields; nothing else is looked up.
+
+    Attributes:
+        reads_cuda: the transport reads registered memory on CUDA devices (a GPU staging
+            ring, a direct write from the trainer's GPU memory), not only host memory.
+        device: the CUDA device (as this process numbers it) the transport is bound to: the
+            only one whose memory it reads, and the one a writer opens its peers' CUDA
+            events on; None when it is bound to none.
+        stream_ordered: `Transport.write` takes ``after_stream=``, a raw CUDA stream whose
+            queued work produces the source bytes; the copies wait for it on the GPU.
+        maps_device_memory: the transport maps a receiver's registered GPU memory into this
+            process (`MemoryMapper.local_address`), so a writer on `device` may copy into it
+            with its own kernels.
+
+    Raises:
+        ValueError: a negative device, or GPU-only capabilities on a transport that reads no
+            GPU memory.
+    """
+
+    reads_cuda: bool = False
+    device: int | None = None
+    stream_ordered: bool = False
+    maps_device_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device is not None and (
+            not isinstance(self.device, int) or isinstance(self.device, bool) or self.device < 0
+        ):
+            raise ValueError(
+                f"TransportCapabilities.device must be a device index or None, got {self.device!r}"
+            )
+        if not self.reads_cuda and (self.stream_ordered or self.maps_device_memory):
+            raise ValueError(
+                "TransportCapabilities: stream_ordered and maps_device_memory need reads_cuda"
+            )
+
+    def reads(self, device_type: str, index: int | None = None) -> bool:
+        """Whether the transport reads registered memory on a device.
+
+        Args:
+            device_type: ``"cpu"``, ``"cuda"``, ... (a ``torch.device``'s ``type``).
+            index: the device's index, or None for the current one.
+        """
+        if device_type == "cpu":
+            return True
+        if device_type != "cuda" or not self.reads_cuda:
+            return False
+        return self.device is None or index is None or index == self.device
+
+
+HOST_ONLY = TransportCapabilities()
+"""The capabilities of a transport that reads registered host memory only."""
+
+
 class WriteHandle:
     """An in-flight `Transport.write`, to be passed to `Transport.wait` of the same transport.
 
@@ -121,6 +181,11 @@ class Transport(Protocol):
         """What one write costs this transport, for the protocol it actually runs."""
         ...
 
+    @property
+    def capabilities(self) -> TransportCapabilities:
+        """What the transport offers beyond writes from host memory (fixed once it exists)."""
+        ...
+
     def register(self, addr: int, num_bytes: int) -> None:
         """Make ``[addr, addr + num_bytes)`` writable by peers (or readable as a write source).
 
@@ -148,7 +213,9 @@ class Transport(Protocol):
     ) -> WriteHandle:
         """Start writing ``lengths[i]`` bytes from ``src_addrs[i]`` to the peer's ``dst_addrs[i]``.
 
-        Does not block; thread-safe. Failures are reported by `wait`.
+        Does not block; thread-safe. Failures are reported by `wait`. A transport whose
+        capabilities say ``stream_ordered`` also takes ``after_stream=`` (see
+        `TransportCapabilities`); no other transport is passed it.
 
         Raises:
             ValueError: the three sequences differ in length, a length is not positive, or a
@@ -166,6 +233,22 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Unregister everything and release native resources; idempotent."""
+        ...
+
+
+@runtime_checkable
+class MemoryMapper(Protocol):
+    """A transport that maps a receiver's registered memory into the writing process
+    (``TransportCapabilities.maps_device_memory``)."""
+
+    def local_address(self, target_session: str, addr: int, num_bytes: int) -> int:
+        """This process's address of the receiver's ``[addr, addr + num_bytes)``, mapped on
+        first use: a writer on the transport's device may copy into it itself.
+
+        Raises:
+            TransferError: the receiver cannot be reached, the region is not inside memory
+                it registered, or it cannot be mapped.
+        """
         ...
 
 

@@ -19,7 +19,7 @@ from weightsync.baseline.trainer.packer import BucketPacker
 from weightsync.control.loops import new_event_loop
 from weightsync.layout import model_dtype
 from weightsync.layout.dtypes import canonical_dtype_name
-from weightsync.manager import PushSummary, SyncManager, SyncReport
+from weightsync.manager import PushResult, SyncManager, SyncReport
 from weightsync.manager.collective import Collective, NoPush, PushOrder, SyncDone, SyncFailed
 from weightsync.plan import SourceHolding, TargetRank
 from weightsync.plan.types import TensorMeta
@@ -128,7 +128,7 @@ class BroadcastSync:
         Raises:
             ValueError / LayoutMismatchError: the trainer's tensors do not make up the
                 checkpoint (raised on every rank before any replica is paused).
-            WeightSyncError: as `SyncManager.update_weights` raised on rank 0.
+            WeightSyncError: as `SyncManager.open_update` / `finish_update` raised on rank 0.
         """
         tensors = dict(export.items() if isinstance(export, Mapping) else export)
         mine = SourceHolding(
@@ -151,23 +151,22 @@ class BroadcastSync:
         if self._manager is None:
             return self._follow(packer)
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        pushed = False
-
-        async def push(
-            targets: Sequence[TargetRank], epoch: int, fences: Mapping[str, str]
-        ) -> PushSummary:
-            # Never fenced: the manager is not asked for fences (the broadcast writes into
-            # the replicas' parameters on their own streams).
-            nonlocal pushed
-            pushed = True
-            order = PushOrder(new_plan=False)
-            await asyncio.to_thread(self._collective.broadcast, order, (PushOrder,))
-            return await self._push(targets, epoch, packer, device)
-
+        manager, ordered = self._manager, False
         try:
-            report = self.run(self._manager.update_weights(push, version=version))
+            # Never fenced: the broadcast writes into the replicas' parameters on their own
+            # streams.
+            update = self.run(manager.open_update(version=version))
+            ordered = True
+            self._collective.broadcast(PushOrder(new_plan=False), (PushOrder,))
+            try:
+                outcome: PushResult | BaseException = self.run(
+                    self._push(update.targets, update.epoch, packer, device)
+                )
+            except Exception as exc:
+                outcome = exc
+            report = self.run(manager.finish_update(update, outcome))
         except BaseException as exc:
-            if not pushed:
+            if not ordered:
                 self._collective.broadcast(NoPush(), (NoPush,))
             self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
             raise
@@ -200,7 +199,7 @@ class BroadcastSync:
         epoch: int,
         packer: BucketPacker,
         device: torch.device,
-    ) -> PushSummary:
+    ) -> PushResult:
         """Rank 0: open the group if the replicas changed, then pack and broadcast every
         bucket, the next one packed while the current one travels and loads."""
         t0 = time.perf_counter()
@@ -296,13 +295,13 @@ def _summary(
     buckets: Sequence[BroadcastBucket],
     seconds: float,
     load_format: str | None,
-) -> PushSummary:
+) -> PushResult:
     per_replica: dict[str, int] = {}
     for target in targets:
         loaded = sum(numel * size for _, numel, size in target.weights_info.values())
         per_replica[target.replica] = per_replica.get(target.replica, 0) + loaded
     num_tensors = sum(len(b.layout.spans) for b in buckets)
-    return PushSummary(
+    return PushResult(
         bytes_written=sum(per_replica.values()),
         bytes_staged=sum(b.num_bytes for b in buckets),
         num_writes=len(buckets) if load_format == FLATTENED_BUCKET else num_tensors,

@@ -14,7 +14,7 @@ from weightsync.baseline.shared_tensors import flattened_bucket, serialize
 from weightsync.baseline.trainer.packer import BucketPacker
 from weightsync.baseline.trainer.sync import BroadcastSync, _summary
 from weightsync.control import RolloutClient
-from weightsync.manager import PushSummary
+from weightsync.manager import PushResult
 from weightsync.plan import TargetRank
 
 
@@ -43,7 +43,7 @@ class TensorSync(BroadcastSync):
         epoch: int,
         packer: BucketPacker,
         device: torch.device,
-    ) -> PushSummary:
+    ) -> PushResult:
         """Rank 0: pack and share every bucket, the next one packed while the replicas load
         the current one."""
         t0 = time.perf_counter()

@@ -31,40 +31,34 @@ class BeginUpdate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PrepareEnd:
-    """While the session's writes still land, do on every rank what its end can do before
-    (`RolloutAgent.prepare_end`): read a fenced begin's digest, and put the trainers'
-    digests in the rank's order.
+class EndUpdate:
+    """End the weight-update session on every rank: label the weights, verify what arrived
+    against the trainers' digests, run post-load processing and close the session.
+
+    Where the trainers' writes may still be landing, the caller sends the command twice:
+    first with ``landed=False``, and each rank does now what its end can do before the
+    bytes are in (`RolloutAgent.prepare_end`: read a fenced begin's digest, put `expected`
+    in the rank's order, with `gated` queue the end's digest behind a gate it replies
+    with); then, once they landed (and the gates are open), the same command with
+    ``landed=True``, which ends the session with the digests the first one carried.
 
     Attributes:
+        version: the weight version to label the weights with first (a fused
+            ``end_weight_sync`` labels them in the same round trip), or None; taken when
+            the session ends.
         expected: per tp rank, ``{param_name: digest}`` of what the trainers wrote, or None
-            (and an empty tuple) when they sent none.
-        gated: each rank queues its end digest behind a gate and replies with it, for the
-            caller to open once the writes landed (`RolloutAgent.prepare_end`): for a tp=1
+            (and an empty tuple) when they sent none: the session then ends unverified.
+        gated: with ``landed=False``, each rank queues its end digest behind a gate and
+            replies with it, for the caller to open once the writes landed: for a tp=1
             replica, whose one rank replies in the caller's process (a gate is not sent
             between processes).
+        landed: the session's bytes are in: end it. False: only prepare the end.
     """
 
+    version: str | None = None
     expected: tuple[dict[str, int] | None, ...] = ()
     gated: bool = False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EndUpdate:
-    """Verify what arrived, run post-load processing and close the session on every rank.
-
-    Attributes:
-        expected: per tp rank, ``{param_name: digest}`` of what the trainers wrote, or None
-            (and an empty tuple) when they sent none.
-        version: the weight version to label the weights with first (a fused
-            ``end_weight_sync`` labels them in the same round trip), or None.
-        prepared: the ranks take the digests a `PrepareEnd` of this session gave them
-            instead of `expected`.
-    """
-
-    expected: tuple[dict[str, int] | None, ...] = ()
-    version: str | None = None
-    prepared: bool = False
+    landed: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,14 +90,7 @@ class Shutdown:
 
 
 Command = (
-    Generate
-    | BeginUpdate
-    | PrepareEnd
-    | EndUpdate
-    | SetWeightVersion
-    | CheckWeights
-    | FlushCache
-    | Shutdown
+    Generate | BeginUpdate | EndUpdate | SetWeightVersion | CheckWeights | FlushCache | Shutdown
 )
 """The reference engine's own commands; server extensions add theirs
 (`weightsync.server.extensions`)."""

@@ -15,7 +15,7 @@ from weightsync.engine import ReferenceModel, generate
 from weightsync.engine.synthetic import synthetic_hf_tensors
 from weightsync.layout import model_dtype
 from weightsync.layout.parallelism import ParallelismConfig
-from weightsync.receiver.agent import RolloutAgent, UpdateSessionError
+from weightsync.receiver.agent import RolloutAgent, SessionState, UpdateSessionError
 from weightsync.receiver.loader import load_hf_tensors
 from weightsync.server.config import ServeConfig
 from weightsync.server.extensions import RankContext, ServerExtension, load_extensions
@@ -31,7 +31,6 @@ from weightsync.server.ranks.commands import (
     EndUpdate,
     FlushCache,
     Generate,
-    PrepareEnd,
     RankInfo,
     RankReply,
     SetWeightVersion,
@@ -69,7 +68,7 @@ def rank_transport(config: ServeConfig, device: torch.device) -> Transport:
     transport = open_transport(
         MooncakeConfig(protocol=config.mooncake_protocol, hostname=_advertised_host(config))
     )
-    if not transport.supports_device(device):
+    if not transport.capabilities.reads(device.type, device.index):
         transport.close()
         raise ValueError(
             f"this Mooncake build cannot reach {device} memory: serve with --device cpu, "
@@ -315,14 +314,16 @@ class RankRuntime:
                 return {"output_ids": output_ids, "weight_version": self.agent.weight_version}
             case BeginUpdate(selector=selector, fence=fence):
                 return self.agent.begin_update(selector, fence=fence)  # type: ignore[arg-type]
-            case EndUpdate(expected=expected, version=version, prepared=prepared):
+            case EndUpdate(expected=expected, landed=False, gated=gated):
+                mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
+                return self.agent.prepare_end(mine, gated=gated)
+            case EndUpdate(expected=expected, version=version):
                 if version is not None:
                     self.agent.set_weight_version(version)
                 mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
+                # The digests a first send of this command put in order, kept by the agent.
+                prepared = mine is not None and self.agent.session_state is SessionState.ENDING
                 return self.agent.end_update(mine, prepared=prepared)
-            case PrepareEnd(expected=expected, gated=gated):
-                mine = expected[self.tp_rank] if self.tp_rank < len(expected) else None
-                return self.agent.prepare_end(mine, gated=gated)
             case SetWeightVersion(version=version):
                 self.agent.set_weight_version(version)
                 return None

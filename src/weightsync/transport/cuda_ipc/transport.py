@@ -30,19 +30,18 @@ context and both this path (396.8) and PyTorch's (393.8) reach NVLink rate. No e
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from weightsync.errors import TransferError, WeightSyncError
 from weightsync.transport.base import (
     DIRTY_NOTE,
     RegionTable,
+    TransportCapabilities,
     WriteCost,
     WriteHandle,
     byte_ranges,
@@ -50,12 +49,12 @@ from weightsync.transport.base import (
 )
 from weightsync.transport.cuda_ipc.config import CudaIpcConfig
 from weightsync.transport.cuda_ipc.driver import CUDA_ERROR_NOT_READY, CUDA_SUCCESS, driver
+from weightsync.transport.cuda_ipc.peers import PeerMaps
 from weightsync.transport.cuda_ipc.registry import (
     SESSION_PREFIX,
     Allocation,
     RegistryServer,
     RegistrySnapshot,
-    fetch_snapshot,
 )
 
 # A 4 GiB copy takes ~11 ms at NVLink rate. With a 1 ms back-off cap the transport measured
@@ -63,7 +62,6 @@ from weightsync.transport.cuda_ipc.registry import (
 # the cap is short; a wake-up every 0.2 ms is still a sleep, not a spin.
 _POLL_MIN_S = 0.00005
 _POLL_MAX_S = 0.0002
-_FETCH_TIMEOUT_S = 10.0
 # Smaller pieces are not worth another stream: the launch costs more than the bytes take.
 _MIN_PIECE_BYTES = 8 << 20
 # The writer copies into memory mapped into its process: a strided piece is one pitched copy,
@@ -113,30 +111,6 @@ class _Export:
     num_regions: int = 0
 
 
-@dataclass(slots=True)
-class _Peer:
-    """A receiver as the writer sees it: its registry and the allocations mapped so far."""
-
-    snapshot: RegistrySnapshot
-    regions: RegionTable = field(default_factory=RegionTable)
-    bases: list[int] = field(default_factory=list)
-    allocations: dict[int, Allocation] = field(default_factory=dict)
-    mapped: dict[int, int] = field(default_factory=dict)  # remote base -> local base
-
-    def __post_init__(self) -> None:
-        for addr, size in self.snapshot.regions:
-            self.regions.add(addr, size)
-        self.allocations = {a.base: a for a in self.snapshot.allocations}
-        self.bases = sorted(self.allocations)
-
-    def allocation(self, addr: int) -> Allocation | None:
-        index = bisect.bisect_right(self.bases, addr) - 1
-        if index < 0:
-            return None
-        found = self.allocations[self.bases[index]]
-        return found if addr < found.base + found.size else None
-
-
 class _IpcWrite(WriteHandle):
     __slots__ = ("dst", "error", "events", "lengths", "lock", "owner")
 
@@ -156,12 +130,12 @@ class CudaIpcTransport:
 
     The bytes at the source addresses must be final when `write` is called, or be produced by
     work queued on the stream passed as ``after_stream``: the copies run on the transport's
-    own stream, which then waits for that work on the GPU (``stream_ordered`` says a
-    transport offers this).
+    own stream, which then waits for that work on the GPU (its capabilities say
+    ``stream_ordered``).
 
     One instance per process and GPU. It is a receiver (register GPU memory, publish it) and
-    a writer (copy from registered memory of `device`, or host memory, into a peer's GPU
-    memory) at once. See the module docstring for the design.
+    a writer (copy from registered memory of the configured device, or host memory, into a
+    peer's GPU memory) at once. See the module docstring for the design.
     """
 
     def __init__(self, config: CudaIpcConfig | None = None) -> None:
@@ -193,7 +167,7 @@ class CudaIpcTransport:
         self._copy_lock = threading.Lock()
         self._registered = RegionTable()
         self._exports: dict[int, _Export] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._peers = PeerMaps(self._driver, device)
         self._streams: list[ctypes.c_void_p] = []
         self._free_events: list[ctypes.c_void_p] = []
         self._ready_event: ctypes.c_void_p | None = None
@@ -201,9 +175,9 @@ class CudaIpcTransport:
         self._server = RegistryServer(hostname, port, self._snapshot())
         host = f"[{hostname}]" if ":" in hostname else hostname
         self._session_id = f"{SESSION_PREFIX}{host}:{self._server.port}"
-
-    stream_ordered = True
-    """`write` takes ``after_stream``: sources may still be in flight on a CUDA stream."""
+        self._capabilities = TransportCapabilities(
+            reads_cuda=True, device=device, stream_ordered=True, maps_device_memory=True
+        )
 
     write_cost = WRITE_COST
     """What a write costs: a copy launch into memory mapped into this process (a strided
@@ -231,16 +205,10 @@ class CudaIpcTransport:
             self._num_streams = value
 
     @property
-    def device(self) -> int:
-        """The CUDA device this transport registers and writes from."""
-        return self._device
-
-    def supports_device(self, device: Any) -> bool:
-        """Whether memory on `device` (a ``torch.device``) can be written from: host memory
-        and this transport's own GPU."""
-        kind = getattr(device, "type", device)
-        index = getattr(device, "index", None)
-        return kind == "cpu" or (kind == "cuda" and index in (None, self._device))
+    def capabilities(self) -> TransportCapabilities:
+        """Reads host memory and its own GPU's; `write` takes ``after_stream``; it maps the
+        receivers' memory (`local_address`)."""
+        return self._capabilities
 
     def register(self, addr: int, num_bytes: int) -> None:
         """Register a region: GPU memory of `device` is exported to peers; host memory can
@@ -361,6 +329,15 @@ class CudaIpcTransport:
         handle = _IpcWrite(self, target_session, [addr], [num_bytes])
         return self._map_destinations(handle)[0]
 
+    def _map_destinations(self, handle: _IpcWrite) -> list[int]:
+        """This process's address of every destination region of `handle`."""
+        return self._peers.local_addresses(
+            handle.target_session,
+            handle.dst,
+            handle.lengths,
+            lambda what, indices: self._error(handle, what, None, indices),
+        )
+
     def wait(self, handle: WriteHandle, timeout_s: float) -> None:
         """Poll the write's event until the copies finished.
 
@@ -407,7 +384,6 @@ class CudaIpcTransport:
             if self._closed:
                 return
             self._closed = True
-            peers, self._peers = self._peers, {}
             self._registered.clear()
             self._exports.clear()
         self._server.close()
@@ -423,8 +399,7 @@ class CudaIpcTransport:
             if self._ready_event is not None:
                 self._driver.event_destroy(self._ready_event)
                 self._ready_event = None
-        for peer in peers.values():
-            self._unmap(peer)
+        self._peers.close()
 
     def __enter__(self) -> CudaIpcTransport:
         return self
@@ -450,88 +425,6 @@ class CudaIpcTransport:
                 if any(base <= addr < base + e.size for base, e in self._exports.items())
             ),
         )
-
-    def _peer(self, target: str, refresh: bool) -> _Peer:
-        with self._lock:
-            peer = self._peers.get(target)
-        if peer is not None and not refresh:
-            return peer
-        try:
-            snapshot = fetch_snapshot(target, _FETCH_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise TransferError(
-                f"cannot reach the CUDA IPC receiver {target}: {reason}",
-                target_session=target,
-            ) from exc
-        fresh = _Peer(snapshot=snapshot)
-        with self._lock:
-            old = self._peers.get(target)
-            if old is not None and old.snapshot.pid == snapshot.pid:
-                fresh.mapped = old.mapped
-            elif old is not None:
-                self._unmap(old)  # a new receiver process behind the same address
-            self._peers[target] = fresh
-        return fresh
-
-    def _unmap(self, peer: _Peer) -> None:
-        if peer.snapshot.pid != os.getpid():
-            for local_base in peer.mapped.values():
-                self._driver.ipc_close_handle(local_base)
-        peer.mapped.clear()
-
-    def _map_destinations(self, handle: _IpcWrite) -> list[int]:
-        """This process's address of every destination region, opening handles as needed."""
-        peer = self._peer(handle.target_session, refresh=False)
-        missing = [
-            i
-            for i, (a, n) in enumerate(zip(handle.dst, handle.lengths, strict=True))
-            if peer.regions.find(a, n) is None
-        ]
-        if missing:
-            peer = self._peer(handle.target_session, refresh=True)
-            missing = [
-                i for i in missing if peer.regions.find(handle.dst[i], handle.lengths[i]) is None
-            ]
-        if missing:
-            raise self._error(
-                handle,
-                f"{len(missing)} region(s) are not inside memory the receiver registered; "
-                "nothing was written",
-                None,
-                missing,
-            )
-        local = []
-        for addr in handle.dst:
-            allocation = peer.allocation(addr)
-            if allocation is None:  # registered regions lie inside exported allocations
-                raise self._error(handle, f"no exported allocation holds {addr:#x}", None, [])
-            mapped = peer.mapped.get(allocation.base)
-            if mapped is None:
-                mapped = self._mapped_base(handle.target_session, peer, allocation)
-            local.append(mapped + addr - allocation.base)
-        return local
-
-    def _mapped_base(self, target: str, peer: _Peer, allocation: Allocation) -> int:
-        with self._lock:
-            mapped = peer.mapped.get(allocation.base)
-            if mapped is not None:
-                return mapped
-            if peer.snapshot.pid == os.getpid():
-                # A process cannot open its own IPC handles; its pointers work as they are.
-                mapped = allocation.base
-            else:
-                self._driver.use_device(self._device)
-                try:
-                    mapped = self._driver.ipc_open_handle(allocation.handle)
-                except WeightSyncError as exc:
-                    raise TransferError(
-                        f"cannot open the CUDA IPC handle of {peer.snapshot.pci_bus_id} "
-                        f"allocation {allocation.base:#x}: {exc}",
-                        target_session=target,
-                    ) from exc
-            peer.mapped[allocation.base] = mapped
-            return mapped
 
     def _issue(
         self, handle: _IpcWrite, src: list[int], local_dst: list[int], after_stream: int | None

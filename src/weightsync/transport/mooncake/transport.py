@@ -12,6 +12,7 @@ from weightsync.errors import TransferError, WeightSyncError
 from weightsync.transport.base import (
     DIRTY_NOTE,
     RegionTable,
+    TransportCapabilities,
     WriteCost,
     WriteHandle,
     byte_ranges,
@@ -101,6 +102,7 @@ class MooncakeTransport:
         self._registered = RegionTable()
         self._peers: dict[str, _Peer] = {}
         self._closed = False
+        self._capabilities = TransportCapabilities(reads_cuda=_mooncake_reads_cuda())
 
     @property
     def session_id(self) -> str:
@@ -119,19 +121,10 @@ class MooncakeTransport:
             return self._config.write_cost
         return DEFAULT_WRITE_COSTS[self.protocol]
 
-    def supports_device(self, device: Any) -> bool:
-        """Whether memory on `device` (a ``torch.device`` or its type name) can be written from.
-
-        Host memory always; CUDA memory when Mooncake was built with CUDA.
-        """
-        kind = getattr(device, "type", device)
-        if kind == "cpu":
-            return True
-        if kind != "cuda":
-            return False
-        from mooncake import engine as mooncake_engine
-
-        return bool(getattr(mooncake_engine, "SUPPORT_CUDA", False))
+    @property
+    def capabilities(self) -> TransportCapabilities:
+        """Host memory always; GPU memory of any device when Mooncake was built with CUDA."""
+        return self._capabilities
 
     def outstanding(self, target_session: str) -> int:
         """How many regions are in flight to `target_session` now, over all threads.
@@ -420,3 +413,10 @@ class MooncakeTransport:
             byte_ranges=ranges,
             return_code=None,
         )
+
+
+def _mooncake_reads_cuda() -> bool:
+    """Whether the installed Mooncake was built with CUDA (reads registered GPU memory)."""
+    from mooncake import engine as mooncake_engine
+
+    return bool(getattr(mooncake_engine, "SUPPORT_CUDA", False))
