@@ -94,6 +94,8 @@ def launch(args: argparse.Namespace, model_dir: Path, api_key: str, logs: Path) 
         "ready_timeout_s": 1200.0,
     }
     extra = ["--load-format", "dummy", "--seed", str(args.seed)]
+    if getattr(args, "delta_region_mb", 0):
+        extra += ["--delta-region-mb", str(args.delta_region_mb)]
     if args.device == "cpu":
         return start_replicas(
             model_dir, num_replicas=args.replicas, log_dir=logs, extra_args=extra, **common

@@ -20,13 +20,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # The packages and top-level modules of weightsync, and what each may import of the others.
-_BASE = {"errors", "layout", "torch_dtypes", "checkpoint", "cuda_events"}
+_BASE = {"errors", "layout", "torch_dtypes", "checkpoint", "cuda_events", "delta_codec"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "layout": {"errors"},
     "torch_dtypes": {"layout"},
     "checkpoint": {"errors", "layout"},
     "cuda_events": set(),
+    "delta_codec": set(),
     "plan": {"errors", "layout"},
     "predict": {"errors", "layout", "plan"},
     "transport": {"errors"},

@@ -20,6 +20,7 @@ from weightsync import __version__
 from weightsync.checkpoint import load_config_dict
 from weightsync.control import RolloutClient
 from weightsync.control.models import ServerInfo
+from weightsync.control.protocol import WEIGHT_SYNC_DELTA
 from weightsync.errors import RemoteReplicaError
 from weightsync.layout import rank_layout
 from weightsync.layout.parallelism import ParallelismConfig
@@ -107,9 +108,11 @@ def test_transfer_engine_info_both_spellings(replica, http, checkpoint):
             f"{replica.bootstrap_url}/get_transfer_engine_info?rank={rank}", headers=AUTH
         ).json()
         # SGLang's fields agree; the main server adds the regions the rank registered and
-        # its scratch region, which lies outside every parameter's.
-        added = ("registered_regions", "scratch_region")
+        # its scratch region, which lies outside every parameter's, and its delta region
+        # (none without --delta-region-mb).
+        added = ("registered_regions", "scratch_region", "delta_region")
         assert {k: v for k, v in body.items() if k not in added} == boot
+        assert body["delta_region"] is None
         assert all(size > 0 for _, size in body["registered_regions"])
         scratch_addr, scratch_bytes = body["scratch_region"]
         assert scratch_bytes > 0
@@ -142,6 +145,17 @@ def test_transfer_engine_info_both_spellings(replica, http, checkpoint):
     boot_400 = httpx.get(f"{replica.bootstrap_url}/get_transfer_engine_info?rank=-1", headers=AUTH)
     assert boot_400.status_code == 400
     assert httpx.get(f"{replica.bootstrap_url}/health").text == "OK"
+
+
+def test_a_replica_without_a_delta_region_takes_no_deltas(replica, http):
+    info = http.get("/server_info").json()
+    assert WEIGHT_SYNC_DELTA not in info["weightsync"]["capabilities"]
+    # Checksums answer all the same (a full sync may read them as the next base).
+    sums = _call(replica, "delta_checksums", session_token=None)
+    assert sorted(sums) == list(range(TP)) and all(sums.values())
+    with pytest.raises(RemoteReplicaError, match="no delta region") as refused:
+        _call(replica, "apply_delta", session_token=None, ranks={0: ([], {}), 1: ([], {})})
+    assert refused.value.status_code == 400
 
 
 def test_parallelism_config(replica, http):

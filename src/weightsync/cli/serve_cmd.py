@@ -166,6 +166,14 @@ def serve(
             help="The main process's event loop: auto (uvloop where installed), asyncio or uvloop."
         ),
     ] = "auto",
+    delta_region_mb: Annotated[
+        int,
+        typer.Option(
+            help="MiB of the delta region each rank registers beside its parameters, which "
+            "trainers write only what changed into (advertised as weight_sync_delta); 0: "
+            "none, full syncs only."
+        ),
+    ] = 0,
 ) -> None:
     """Serve a reference rollout replica: the main HTTP server, the engine-info bootstrap
     server, and one process per TP rank holding SGLang-layout weights that trainers write
@@ -207,6 +215,7 @@ def serve(
             max_new_tokens_limit=max_new_tokens_limit,
             fused_lifecycle=fused_lifecycle,
             event_loop=loop,
+            delta_region_mb=delta_region_mb,
         )
     except ValueError as exc:
         typer.echo(f"weightsync serve: {exc}", err=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -11,11 +11,17 @@ from pydantic import BaseModel
 from weightsync.control.base import AsyncHttpClient
 from weightsync.control.models import (
     AbortRequestRequest,
+    ApplyDeltaRank,
+    ApplyDeltaRankRequest,
+    ApplyDeltaRequest,
+    ApplyDeltaResponse,
     BeginWeightSyncRequest,
     BeginWeightUpdateRequest,
     BeginWeightUpdateResponse,
     CheckerAction,
     ContinueGenerationRequest,
+    DeltaChecksumsRequest,
+    DeltaChecksumsResponse,
     DestroyWeightsUpdateGroupRequest,
     EndWeightSyncRequest,
     EndWeightUpdateRequest,
@@ -355,6 +361,74 @@ class RolloutClient(AsyncHttpClient):
             skip_tensor_list=list(skip_tensor_list),
         )
         return await self._success("/weights_checker", body, timeout_s)
+
+    async def delta_checksums(
+        self, *, session_token: str | None, timeout_s: float | None = None
+    ) -> dict[int, dict[str, int]]:
+        """``POST /weightsync/delta_checksums`` (servers with capability
+        ``weight_sync_delta``): every rank's checksums of its parameters
+        (`weightsync.delta_codec.checksums`), any time.
+
+        Args:
+            session_token: the open session's token, where the caller holds it (the
+                replica then refuses the call if another client holds the session).
+            timeout_s: this call's timeout.
+
+        Returns:
+            ``{tp_rank: {param_name: checksum}}``.
+
+        Raises:
+            RemoteReplicaError: the replica refused (another holder's token) or failed.
+        """
+        route = "/weightsync/delta_checksums"
+        body = DeltaChecksumsRequest(session_token=session_token)
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        reply = self._parse(response, DeltaChecksumsResponse, route=route)
+        self._check_success(reply, route=route, status_code=response.status_code)
+        return {rank: dict(entry.checksums) for rank, entry in reply.ranks.items()}
+
+    async def apply_delta(
+        self,
+        *,
+        session_token: str | None,
+        ranks: Mapping[int, tuple[Sequence[tuple[int, int]], Mapping[str, int]]],
+        timeout_s: float | None = None,
+    ) -> dict[int, ApplyDeltaRank]:
+        """``POST /weightsync/apply_delta`` (servers with capability ``weight_sync_delta``):
+        every rank applies the delta payloads the trainers wrote into its delta region,
+        inside the open session, and checks its checksums against the expected ones.
+
+        Args:
+            session_token: the open session's token (a leased session's).
+            ranks: per tp rank (every rank of the replica), ``(payloads, expected)``: the
+                ``(offset, num_bytes)`` of its payloads in its delta region, in the order
+                to apply them, and ``{param_name: checksum}`` each changed parameter must
+                hold after them.
+            timeout_s: this call's timeout.
+
+        Returns:
+            Per tp rank, what applying found (every rank verified).
+
+        Raises:
+            RemoteReplicaError: no session is open, another client holds it, a rank is
+                missing, a payload lies outside its rank's region (nothing applied), or a
+                rank did not verify: the message names the ranks and the parameters that
+                differ, and the replica's weights are incomplete until a complete update.
+        """
+        route = "/weightsync/apply_delta"
+        body = ApplyDeltaRequest(
+            session_token=session_token,
+            ranks={
+                rank: ApplyDeltaRankRequest(
+                    payloads=[(int(o), int(n)) for o, n in payloads], expected=dict(expected)
+                )
+                for rank, (payloads, expected) in ranks.items()
+            },
+        )
+        response = await self._call("POST", route, body=body, timeout_s=timeout_s)
+        reply = self._parse(response, ApplyDeltaResponse, route=route)
+        self._check_success(reply, route=route, status_code=response.status_code)
+        return dict(reply.ranks)
 
     async def generate(
         self,

@@ -166,6 +166,40 @@ class EndWeightSyncRequest(_Request):
     budget_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
+Checksum = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]
+"""A parameter's checksum (`weightsync.delta_codec.checksums`): a signed 64-bit JSON integer."""
+
+PayloadSpan = tuple[Annotated[StrictInt, Field(ge=0)], Annotated[StrictInt, Field(gt=0)]]
+"""``[offset, num_bytes]`` of one delta payload inside a rank's delta region."""
+
+
+class DeltaChecksumsRequest(_Request):
+    """``POST /weightsync/delta_checksums`` (capability ``weight_sync_delta``): every rank's
+    checksums of its parameters, any time; ``session_token``, while a leased session is
+    open, must be its holder's."""
+
+    session_token: str | None = None
+
+
+class ApplyDeltaRankRequest(_Request):
+    """One rank's part of ``POST /weightsync/apply_delta``: ``payloads``, the ``[offset,
+    num_bytes]`` of each payload the trainers wrote into its delta region, applied in this
+    order; ``expected``, ``{param_name: checksum}`` each changed parameter must hold after
+    them (its base's checksum plus the trainers' change, wrapped to int64)."""
+
+    payloads: list[PayloadSpan] = Field(default_factory=list)
+    expected: dict[str, Checksum] = Field(default_factory=dict)
+
+
+class ApplyDeltaRequest(_Request):
+    """``POST /weightsync/apply_delta`` (capability ``weight_sync_delta``): apply the delta
+    payloads inside the open session and check them; ``ranks`` holds every tp rank (a
+    decimal string) of the replica, ``session_token`` a leased session's token."""
+
+    session_token: str | None = None
+    ranks: dict[int, ApplyDeltaRankRequest]
+
+
 class UpdateWeightVersionRequest(_Request):
     """``POST /update_weight_version`` (SGLang 0.5.23 aborts every request by default);
     ``session_token`` is a leased session's."""
@@ -324,6 +358,44 @@ class WeightSyncStepResponse(BeginWeightUpdateResponse):
     fences: list[IpcEventHandle] = Field(default_factory=list)
 
 
+class DeltaChecksumsRank(_Response):
+    """One rank's ``checksums``: ``{param_name: checksum}`` of every parameter."""
+
+    checksums: dict[str, int]
+
+
+class DeltaChecksumsResponse(SuccessResponse):
+    """``POST /weightsync/delta_checksums``'s reply: ``ranks`` by tp rank."""
+
+    ranks: dict[int, DeltaChecksumsRank] = Field(default_factory=dict)
+
+
+class ApplyDeltaRank(_Response):
+    """What applying the delta found on one rank.
+
+    ``num_elements``: elements the payloads wrote; ``mismatched``: the parameters whose
+    checksum is not the expected one, then those a payload wrote without one expected;
+    ``checksums``: ``{param_name: checksum}`` of every parameter after applying (the next
+    base); ``error``: why a payload was refused (it changed nothing; the ones before it were
+    applied), or null; ``verified``: no error and nothing mismatched; ``seconds``: what
+    applying and checking took.
+    """
+
+    num_elements: int
+    mismatched: list[str] = Field(default_factory=list)
+    checksums: dict[str, int] = Field(default_factory=dict)
+    error: str | None = None
+    verified: bool = False
+    seconds: float = 0.0
+
+
+class ApplyDeltaResponse(SuccessResponse):
+    """``POST /weightsync/apply_delta``'s reply: ``ranks`` by tp rank; ``success`` false
+    (HTTP 400) when a rank did not verify, the message naming it and what differs."""
+
+    ranks: dict[int, ApplyDeltaRank] = Field(default_factory=dict)
+
+
 class WeightVersionResponse(_Response):
     """``GET /get_weight_version``'s reply."""
 
@@ -370,12 +442,15 @@ class TransferEngineInfoResponse(_Response):
     ``/get_transfer_engine_info``): ``[session_id, weights_info]`` of one rank; the reference
     server adds the ``[addr, num_bytes]`` regions the rank registered, and the
     ``[addr, num_bytes]`` scratch region registered beside them that a client may write and
-    read back to test the transport (never a parameter)."""
+    read back to test the transport (never a parameter), and with capability
+    ``weight_sync_delta`` the ``[addr, num_bytes]`` delta region trainers write delta
+    payloads into."""
 
     rank: int
     remote_instance_transfer_engine_info: tuple[str, WeightsInfo]
     registered_regions: list[tuple[int, int]] | None = None
     scratch_region: tuple[int, int] | None = None
+    delta_region: tuple[int, int] | None = None
 
 
 class ParallelismConfigModel(_Response):

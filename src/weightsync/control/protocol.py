@@ -48,6 +48,12 @@ WEIGHT_SYNC_EVENTS = "weight_sync_events"
 # completes at; every writer waits for them before it writes (writers on the replica's host:
 # a replica whose transport is CUDA IPC), and the end reports what changed outside a session.
 WEIGHT_SYNC_FENCE = "weight_sync_fence"
+# Delta syncs: every rank registers a delta region (its [addr, num_bytes] is the
+# delta_region of /remote_instance_transfer_engine_info) that trainers write encoded changes
+# into; POST /weightsync/delta_checksums reads every rank's checksums (weightsync.delta_codec)
+# and POST /weightsync/apply_delta applies the payloads inside the open session and checks
+# them, so the session's end counts as verified without digests.
+WEIGHT_SYNC_DELTA = "weight_sync_delta"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from weightsync.errors import CollectiveError, WeightSyncError
 from weightsync.manager.report import SyncReport
 from weightsync.plan import SourcePlan
-from weightsync.sender import Fence, PushStats
+from weightsync.sender import DeltaStats, Fence, PushStats
 
 MessageT = TypeVar("MessageT")
 T = TypeVar("T")
@@ -43,11 +43,17 @@ class PushOrder:
         fp8_block_size: the rollout serves block-FP8 weights of this block (its published
             metadata): push the export through `weightsync.export.Fp8Export`; 0 for none.
         fences: the CUDA events writes into a target must follow (`WeightSender.push`).
+        delta_token: the sync keeps a delta reference: after the full push (to the targets
+            not in `delta_sessions`), every rank runs `WeightSender.push_delta` with this
+            token; None: no delta push.
+        delta_sessions: the session ids of the targets that take a delta.
     """
 
     new_plan: bool
     fp8_block_size: int = 0
     fences: tuple[Fence, ...] = ()
+    delta_token: int | None = None
+    delta_sessions: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,11 +69,13 @@ class RankOutcome:
         rank: the rank (in the trainer group).
         stats: its push's stats, when it succeeded.
         error: what it raised, when it failed.
+        delta: its delta push's stats, when it ran one.
     """
 
     rank: int
     stats: PushStats | None = None
     error: BaseException | None = None
+    delta: DeltaStats | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

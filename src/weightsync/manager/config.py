@@ -143,6 +143,10 @@ class SyncConfig:
             that hold it (data-parallel copies, replicated norms) and refuse the sync with
             `WeightsRefusedError` if copies differ: a debugging aid for sharded trainers
             (one more all-gather, and every held tensor read once more).
+        delta: write only what changed since the last sync into replicas that can prove
+            they hold it (`weightsync.manager.delta`): every rank keeps a reference copy of
+            the bytes it last pushed (``sender.delta_reference`` says where) and the others
+            take full bytes; off by default.
 
     Raises:
         ValueError: a part of the wrong type.
@@ -153,6 +157,7 @@ class SyncConfig:
     transport: TransportConfig = field(default_factory=MooncakeConfig)
     collective_timeout_s: float = 1800.0
     check_replicas: bool = False
+    delta: bool = False
 
     def __post_init__(self) -> None:
         value = self.collective_timeout_s

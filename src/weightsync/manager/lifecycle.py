@@ -186,15 +186,20 @@ class ReplicaCalls:
     def verification(
         self, url: str, digests: Mapping[str, Any], result: PushResult
     ) -> tuple[bool, bool]:
-        """``(verify, unverified)`` of replica `url`'s end: verify with its digests where it
-        takes them and the push computed them for every one of its ranks; say it ends
-        unverified where the trainers computed none (``SenderConfig(digest=False)``).
+        """``(verify, unverified)`` of replica `url`'s end: verified by its own check of a
+        delta it applied; else verify with its digests where it takes them and the push
+        computed them for every one of its ranks; say it ends unverified where the trainers
+        computed none (``SenderConfig(digest=False)``).
 
         Raises:
             WeightSyncError: it takes digests and the push computed some, but not for every
                 rank of this replica: labelling what arrived would name weights nobody
                 checked.
         """
+        if url in result.delta_verified:
+            # Its ranks checked every byte of what they applied (`weightsync.manager.delta`)
+            # and remember it: the end judges the session verified without digests.
+            return True, False
         if not self.replicas.protocols[url].serves(WEIGHT_UPDATE_DIGEST):
             return False, False
         if url in digests:
@@ -390,7 +395,7 @@ class PlainLifecycle:
             )
             await client.end_weight_update(
                 session_token=token,
-                digests=digests[url] if verify else None,
+                digests=digests.get(url) if verify else None,
                 unverified=unverified,
                 timeout_s=timeout,
             )
@@ -490,7 +495,7 @@ class FusedLifecycle:
                 reply = await calls.replicas.clients[url].end_weight_sync(
                     new_version=update.version,
                     session_token=sessions.tokens.get(url),
-                    digests=digests[url] if verify else None,
+                    digests=digests.get(url) if verify else None,
                     unverified=unverified,
                     resume=cfg.manage_generation,
                     resume_kv_cache=url in sessions.released,

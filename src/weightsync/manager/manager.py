@@ -23,6 +23,7 @@ from weightsync.errors import (
 )
 from weightsync.manager.check import BitExactCheck
 from weightsync.manager.config import ControlConfig
+from weightsync.manager.delta import DeltaChoice, DeltaSyncs, replica_writes
 from weightsync.manager.lifecycle import (
     Finished,
     FusedLifecycle,
@@ -111,6 +112,7 @@ class SyncManager:
         self._plain: Lifecycle = PlainLifecycle(self._calls)
         self._fused: Lifecycle = FusedLifecycle(self._calls)
         self._check = BitExactCheck(self._calls, self._config)
+        self._deltas = DeltaSyncs(self._known, timeout_s=self._config.lifecycle_timeout_s)
         self._labels = LabelBook()
         self._epoch = 0
         self._dirty: set[str] = set()
@@ -192,6 +194,7 @@ class SyncManager:
         await self._known.remove(url)
         self._dirty.discard(url)
         self._check.forget(url)
+        self._deltas.forget((url,))
         self._unhealthy.pop(url, None)
         self._labels.forget((url,))
 
@@ -310,6 +313,26 @@ class SyncManager:
             raise
         update.opened = time.perf_counter()
 
+    async def choose_deltas(
+        self, update: OpenUpdate, *, token: int, reference: int | None
+    ) -> DeltaChoice:
+        """Decide which replicas of `update` take a delta (`weightsync.manager.delta`): those
+        that serve deltas and prove, by their checksums now, that they hold the push the
+        trainers' reference holds; the others take full bytes. `finish_update` then applies
+        the deltas, checks them and keeps every verified replica's new base.
+
+        Args:
+            update: this manager's open update.
+            token: the label this update's push gives the trainers' reference.
+            reference: the label of the push the trainers' reference holds (None: none).
+
+        Raises:
+            ValueError: `update` is not this manager's open update.
+        """
+        if update is not self._open or update.finished:
+            raise ValueError("choose_deltas takes the open update, before it is finished")
+        return await self._deltas.choose(update, token=token, reference=reference)
+
     async def finish_update(
         self, update: OpenUpdate, outcome: PushResult | BaseException
     ) -> SyncReport:
@@ -402,6 +425,15 @@ class SyncManager:
             await self._calls.abandon(update, live, resume=False)
             exc.add_note(stay_paused(live))
             raise
+        if update.delta is not None:
+            if result.landing is not None:
+                await result.landing.seen
+            result, wrong = await self._deltas.apply(update, result, live)
+            if wrong:
+                self._dirty.update(wrong)
+                await self._calls.abandon(update, tuple(wrong), resume=False)
+                failed.update(wrong)
+                live = tuple(u for u in live if u not in wrong)
         t_pushed = time.perf_counter()
 
         groups = self._lifecycles(live)
@@ -423,6 +455,7 @@ class SyncManager:
         failed.update(finished.unfinished)
         live = tuple(u for u in live if u not in finished.unfinished)
         bit_exact = await self._check.compare(live, self._dirty)
+        self._deltas.record(update, finished.verified, reference=result.delta_token)
         self._dirty.difference_update(live)
         self._labels.hold(update.version, live)
         t_final = time.perf_counter()
@@ -447,6 +480,7 @@ class SyncManager:
             bit_exact=bit_exact,
             verified=finished.verified,
             dropped=dict(update.dropped),
+            writes=replica_writes(update, result, live),
         )
         if failed:
             message = "; ".join(f"{url}: {why}" for url, why in failed.items())

@@ -108,6 +108,7 @@ async def replica_targets(
             regions=tuple(map(tuple, info.registered_regions))
             if info.registered_regions is not None
             else None,
+            delta_region=info.delta_region,
         )
         for rank, info, config in zip(ranks, infos, configs, strict=True)
     )

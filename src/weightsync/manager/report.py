@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.manager.delta import ReplicaWrite
 from weightsync.manager.update import PushResult
 
 
@@ -53,6 +54,8 @@ class SyncReport:
             or the trainers computed no digests (``SenderConfig(digest=False)``).
         dropped: replicas left out of this sync because they failed before any write, with
             why; they serve their previous weights (and are tried again next sync).
+        writes: in a sync that keeps a delta reference (``SyncConfig(delta=True)``), how each
+            updated replica was written: delta or full, its bytes and density.
     """
 
     version: str
@@ -63,6 +66,7 @@ class SyncReport:
     bit_exact: bool | None = None
     verified: tuple[str, ...] = ()
     dropped: Mapping[str, str] = field(default_factory=dict)
+    writes: Mapping[str, ReplicaWrite] = field(default_factory=dict)
 
     @property
     def unverified(self) -> tuple[str, ...]:
@@ -113,6 +117,19 @@ class SyncReport:
                 "resume": self.phases.resume,
             },
             "bytes_per_replica": dict(self.push.bytes_per_replica),
+            "writes": {url: write.to_dict() for url, write in self.writes.items()},
+            "deltas": {
+                str(rank): {
+                    "num_changed": delta.num_changed,
+                    "num_elements": delta.num_elements,
+                    "density": delta.density,
+                    "encode_seconds": delta.encode_seconds,
+                    "write_seconds": delta.write_seconds,
+                    "reference_bytes": delta.reference_bytes,
+                    "failed": dict(delta.failed),
+                }
+                for rank, delta in self.push.deltas.items()
+            },
             "sources": {
                 str(rank): {
                     "bytes_written": stats.bytes_written,

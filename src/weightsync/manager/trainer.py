@@ -33,7 +33,7 @@ from weightsync.manager.manager import SyncManager
 from weightsync.manager.report import SyncReport
 from weightsync.manager.update import Landing, OpenUpdate, PushResult
 from weightsync.plan import SourceHolding, SourcePlan, TargetRank, build_plan
-from weightsync.sender import WeightSender
+from weightsync.sender import CheckedPush, WeightSender
 from weightsync.transport import Transport, open_transport
 
 T = TypeVar("T")
@@ -123,6 +123,11 @@ class TrainerSync:
         self._plan: SourcePlan | None = None  # this rank's share of the current plan
         self._plan_key: tuple[int, tuple[SourceHolding, ...], int] | None = None  # driver only
         self._fp8: Fp8Export | None = None  # the last export quantised for an FP8 rollout
+        # This rank's plan restricted to the targets that take full bytes, per delta set.
+        self._full_plans: dict[frozenset[str], SourcePlan] = {}
+        self._full_plans_of: SourcePlan | None = None
+        self._delta_pushes = 0  # driver: delta pushes ordered so far (their tokens)
+        self._delta_reference: int | None = None  # driver: the push every reference holds
         self._closed = False
 
     @property
@@ -256,10 +261,13 @@ class TrainerSync:
             # The plan is built (and validated) before any rank writes, so a mismatch fails
             # the sync with nothing written.
             plans = self._source_plans(update.targets, update.epoch, holdings)
+            choice = update.delta
             order = PushOrder(
                 new_plan=plans is not None,
                 fp8_block_size=rollout_fp8(update.targets),
                 fences=update.fences,
+                delta_token=choice.token if choice is not None else None,
+                delta_sessions=choice.sessions(update.targets) if choice else frozenset(),
             )
             ordered = True
             self._collective.broadcast(order, (PushOrder,))
@@ -270,7 +278,14 @@ class TrainerSync:
         async def update_replicas() -> SyncReport:
             # Every rank's sender waits for the fences of the targets it writes to.
             update = await manager.open_update(version=version, fence=True, rollback=rollback)
+            if self._config.delta:
+                self._delta_pushes += 1
+                await manager.choose_deltas(
+                    update, token=self._delta_pushes, reference=self._delta_reference
+                )
             outcome = await self._off_loop(lambda: order_and_push(update))
+            if self._config.delta:
+                self._delta_reference = _delta_token(outcome)
             return await manager.finish_update(update, outcome)
 
         try:
@@ -437,10 +452,11 @@ class TrainerSync:
                 self._plan = self._collective.scatter(plans, SourcePlan)
             if self._plan is None:
                 raise ValueError(f"trainer rank {self.rank} has no plan to push")
+            plan = self._plan
             export = self._for_rollout(export, order.fp8_block_size)
             refused: Exception | None = None
             try:
-                checked = self._sender.preflight(self._plan, export)
+                checked = self._sender.preflight(self._full_plan(order.delta_sessions), export)
             except (ValueError, WeightsRefusedError) as exc:
                 refused = exc
             # No rank writes unless every rank's checks passed: then a refusal leaves every
@@ -448,8 +464,7 @@ class TrainerSync:
             verdicts = [v for v in self._collective.all_gather(refused) if v is not None]
             if verdicts:
                 raise verdicts[0]
-            stats = self._sender.push(checked, wait=wait, fences=order.fences)
-            outcome = RankOutcome(rank=self.rank, stats=stats)
+            outcome = self._push_full_and_delta(checked, plan, export, order, wait=wait)
         except CollectiveError:
             raise
         except Exception as exc:  # reported to the driver, which raises it for everyone
@@ -458,27 +473,71 @@ class TrainerSync:
         if outcomes is None:
             return PushResult.empty()
         failed = [o for o in outcomes if o.error is not None]
-        if not failed:
+        delta_failed = {s: why for o in outcomes if o.delta for s, why in o.delta.failed.items()}
+        if not failed and not delta_failed:
             return _summarize(outcomes, targets)
         partial = [o.error for o in failed if isinstance(o.error, PartialPushError)]
         if len(partial) < len(failed):
             raise next(o.error for o in failed if not isinstance(o.error, PartialPushError))
         # Only some targets failed: what every rank wrote, so the others can be finished.
         written = [
-            RankOutcome(rank=o.rank, stats=o.stats if o.error is None else o.error.result)
+            RankOutcome(
+                rank=o.rank,
+                stats=o.stats if o.error is None else o.error.result,
+                delta=o.delta,
+            )
             for o in outcomes
         ]
-        first = partial[0]
         sessions = {s: why for error in partial for s, why in error.failed.items()}
+        sessions.update(delta_failed)
+        first = partial[0] if partial else None
         raise PartialPushError(
-            str(first),
+            str(first) if first is not None else next(iter(delta_failed.values())),
             failed=sessions,
             result=_summarize(written, targets),
-            target_session=first.target_session,
-            byte_ranges=first.byte_ranges,
-            return_code=first.return_code,
-            param_name=first.param_name,
+            target_session=first.target_session if first is not None else None,
+            byte_ranges=first.byte_ranges if first is not None else (),
+            return_code=first.return_code if first is not None else None,
+            param_name=first.param_name if first is not None else None,
         ) from first
+
+    def _full_plan(self, delta_sessions: frozenset[str]) -> SourcePlan:
+        """This rank's plan without the targets that take a delta (kept per delta set)."""
+        plan = self._plan
+        assert plan is not None  # _push checked
+        if not delta_sessions:
+            return plan
+        if self._full_plans_of is not plan:
+            self._full_plans, self._full_plans_of = {}, plan
+        kept = self._full_plans.get(delta_sessions)
+        if kept is None:
+            everyone = {t.session_id for t in _plan_targets(plan)}
+            kept = self._full_plans[delta_sessions] = plan.restricted(everyone - delta_sessions)
+        return kept
+
+    def _push_full_and_delta(
+        self,
+        checked: CheckedPush,
+        plan: SourcePlan,
+        export: WeightExport,
+        order: PushOrder,
+        *,
+        wait: bool,
+    ) -> RankOutcome:
+        """The full push to the targets that take full bytes, then, when the sync keeps a
+        delta reference, the delta push (also after a full push some targets failed: the
+        others still take their delta)."""
+        error: PartialPushError | None = None
+        stats = None
+        try:
+            stats = self._sender.push(checked, wait=wait, fences=order.fences)
+        except PartialPushError as exc:
+            error = exc
+        delta = None
+        if order.delta_token is not None:
+            targets = [t for t in _plan_targets(plan) if t.session_id in order.delta_sessions]
+            delta = self._sender.push_delta(plan, export, targets, token=order.delta_token)
+        return RankOutcome(rank=self.rank, stats=stats, error=error, delta=delta)
 
 
 def rollout_fp8(targets: Sequence[TargetRank]) -> int:
@@ -497,7 +556,30 @@ def rollout_fp8(targets: Sequence[TargetRank]) -> int:
 
 
 def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -> PushResult:
-    return PushResult.of_ranks({o.rank: o.stats for o in outcomes if o.stats is not None}, targets)
+    return PushResult.of_ranks(
+        {o.rank: o.stats for o in outcomes if o.stats is not None},
+        targets,
+        {o.rank: o.delta for o in outcomes if o.delta is not None},
+    )
+
+
+def _plan_targets(plan: SourcePlan) -> list[TargetRank]:
+    """Every target `plan` (or a part of it) writes to, once each."""
+    seen: dict[str, TargetRank] = {}
+    for part in plan.parts or (plan,):
+        for ranks in part.targets.values():
+            for target in ranks:
+                seen.setdefault(target.session_id, target)
+    return list(seen.values())
+
+
+def _delta_token(outcome: PushResult | BaseException) -> int | None:
+    """The push every rank's delta reference holds after `outcome` (None: not all hold one)."""
+    if isinstance(outcome, PushResult):
+        return outcome.delta_token
+    if isinstance(outcome, PartialPushError) and isinstance(outcome.result, PushResult):
+        return outcome.result.delta_token
+    return None
 
 
 def _run_to_end(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:

@@ -15,10 +15,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from weightsync.manager.versions import HeldLabel
 from weightsync.plan import TargetRank
-from weightsync.sender import Fence, PushStats
+from weightsync.sender import DeltaStats, Fence, PushStats
+
+if TYPE_CHECKING:
+    from weightsync.manager.delta import DeltaChoice
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,9 @@ class PushResult:
             (`weightsync.layout.digest`); empty when the sources computed none.
         landing: the copies still in flight when the push returned, None when every write
             had landed.
+        deltas: every source rank's delta push (`WeightSender.push_delta`), by rank; empty
+            when the sync keeps no delta reference.
+        delta_verified: the replicas whose ranks applied their delta and verified it.
     """
 
     bytes_written: int
@@ -80,12 +87,27 @@ class PushResult:
     per_source: Mapping[int, PushStats] = field(default_factory=dict)
     digests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     landing: Landing | None = field(default=None, compare=False)
+    deltas: Mapping[int, DeltaStats] = field(default_factory=dict)
+    delta_verified: frozenset[str] = frozenset()
 
     @classmethod
-    def of_ranks(cls, stats: Mapping[int, PushStats], targets: Sequence[TargetRank]) -> PushResult:
-        """Every source rank's `PushStats` (by rank) added up, bytes counted per replica."""
+    def of_ranks(
+        cls,
+        stats: Mapping[int, PushStats],
+        targets: Sequence[TargetRank],
+        deltas: Mapping[int, DeltaStats] | None = None,
+    ) -> PushResult:
+        """Every source rank's `PushStats` (by rank) and delta pushes added up, bytes
+        counted per replica."""
         replica_of = {t.session_id: t.replica for t in targets}
+        deltas = dict(deltas or {})
         per_replica: dict[str, int] = {}
+        delta_bytes = 0
+        for delta in deltas.values():
+            for session_id, write in delta.written.items():
+                replica = replica_of.get(session_id, session_id)
+                per_replica[replica] = per_replica.get(replica, 0) + write.num_bytes
+                delta_bytes += write.num_bytes
         digests: dict[str, dict[str, int]] = {}
         for rank_stats in stats.values():
             for session_id, partial in rank_stats.digests.items():
@@ -96,7 +118,7 @@ class PushResult:
                 replica = replica_of.get(session_id, session_id)
                 per_replica[replica] = per_replica.get(replica, 0) + num_bytes
         return cls(
-            bytes_written=sum(s.bytes_written for s in stats.values()),
+            bytes_written=sum(s.bytes_written for s in stats.values()) + delta_bytes,
             bytes_staged=sum(s.bytes_staged for s in stats.values()),
             num_writes=sum(s.num_writes for s in stats.values()),
             num_regions=sum(s.num_regions for s in stats.values()),
@@ -105,7 +127,17 @@ class PushResult:
             cached_program=all(s.cached_program for s in stats.values()),
             per_source=dict(stats),
             digests=digests,
+            deltas=deltas,
         )
+
+    @property
+    def delta_token(self) -> int | None:
+        """The push every source rank's delta reference now holds, None unless all hold the
+        same one."""
+        tokens = {delta.token for delta in self.deltas.values()}
+        if not self.deltas or len(tokens) != 1:
+            return None
+        return tokens.pop()
 
     @classmethod
     def empty(cls) -> PushResult:
@@ -171,6 +203,8 @@ class OpenUpdate:
         metadata_refreshed: whether rollout metadata was fetched for this update.
         sessions: the sessions the update holds (the manager's record).
         started: `time.perf_counter` when the update began; ``opened`` when it was ready.
+        delta: which replicas take a delta and what they proved (`weightsync.manager.delta`),
+            once chosen; None for an update that keeps no delta reference.
     """
 
     version: str = ""
@@ -185,6 +219,7 @@ class OpenUpdate:
     paused_at: float = field(default=0.0, repr=False)
     opened: float = field(default=0.0, repr=False)
     finished: bool = field(default=False, repr=False)
+    delta: DeltaChoice | None = field(default=None, repr=False)
 
 
 def stay_paused(replicas: Sequence[str]) -> str:

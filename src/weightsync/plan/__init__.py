@@ -4,11 +4,13 @@
 source rank holds (`SourceHolding`), applies the layout rules of `weightsync.layout`, spreads
 the work over every source that holds the data and validates the result before a byte moves.
 `lower_push` turns one source's share, with the geometry of its tensor stream
-(`StreamGeometry`), into the `PushProgram` the sender executes. `simulate_targets` /
+(`StreamGeometry`), into the `PushProgram` the sender executes; `delta_maps` turns it into
+the run tables of a delta sync (where each element of its tensors lands). `simulate_targets` /
 `simulate_sources` make the inputs for a cluster that does not exist.
 """
 
 from weightsync.plan.builder import build_plan
+from weightsync.plan.delta import DeltaMap, DeltaTarget, RunFamily, delta_map, delta_maps
 from weightsync.plan.geometry import StreamGeometry, TensorGeometry
 from weightsync.plan.items import CopyItem, LayoutGroup, SourcePlan, StageWork
 from weightsync.plan.program import PushProgram, StagingSpec, lower_push
@@ -18,8 +20,11 @@ from weightsync.plan.types import SourceHolding, TargetRank, TensorMeta
 
 __all__ = [
     "CopyItem",
+    "DeltaMap",
+    "DeltaTarget",
     "LayoutGroup",
     "PushProgram",
+    "RunFamily",
     "SourceHolding",
     "SourcePlan",
     "StageWork",
@@ -30,6 +35,8 @@ __all__ = [
     "TensorGeometry",
     "TensorMeta",
     "build_plan",
+    "delta_map",
+    "delta_maps",
     "lower_push",
     "simulate_sources",
     "simulate_targets",

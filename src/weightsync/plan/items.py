@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from weightsync.layout.types import ParamLayout
@@ -167,3 +168,29 @@ class SourcePlan:
         if self.parts:
             return len({name for part in self.parts for name in part.work})
         return len(self.work)
+
+    def restricted(self, sessions: Collection[str]) -> SourcePlan:
+        """This plan writing only to the targets whose session id is in `sessions`: the
+        work of a layout none of them has is dropped (a delta sync writes the other
+        targets' bytes its own way)."""
+        if self.parts:
+            return dataclasses.replace(
+                self, parts=tuple(part.restricted(sessions) for part in self.parts)
+            )
+        targets = {
+            layout_id: kept
+            for layout_id, ranks in self.targets.items()
+            if (kept := tuple(t for t in ranks if t.session_id in sessions))
+        }
+        work = {}
+        for hf_name, works in self.work.items():
+            kept_works = tuple(w for w in works if w.layout_id in targets)
+            if kept_works:
+                work[hf_name] = kept_works
+        return dataclasses.replace(
+            self,
+            work=work,
+            targets=targets,
+            shapes={name: self.shapes[name] for name in work if name in self.shapes},
+            boxes={name: self.boxes[name] for name in work if name in self.boxes},
+        )

@@ -33,6 +33,9 @@ class TargetRank:
             must lie inside one, which the plan checks before any byte moves.
         fp8_block_size: the block of the block-FP8 weights the replica serves (its
             ``/server_info``), 0 for unquantised ones: trainers quantise to it.
+        delta_region: the ``(addr, num_bytes)`` region the rank registered for delta syncs
+            (trainers write encoded changes there and the rank applies them), when it
+            offers one.
 
     Raises:
         ValueError: an empty replica or session id, a negative rank, or a ``weights_info``
@@ -47,8 +50,12 @@ class TargetRank:
     dtype: str | None = None
     regions: tuple[tuple[int, int], ...] | None = field(default=None, hash=False)
     fp8_block_size: int = 0
+    delta_region: tuple[int, int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        if self.delta_region is not None:
+            addr, num_bytes = (int(v) for v in self.delta_region)
+            object.__setattr__(self, "delta_region", (addr, num_bytes))
         if self.dtype is not None:
             object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
         if not self.replica:

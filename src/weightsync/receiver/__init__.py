@@ -1,8 +1,9 @@
 """What an inference engine integrates to receive point-to-point weight syncs.
 
 `RolloutAgent` (one per engine rank: registers the parameters, publishes them, serves the
-update sessions and the weights checker), `WeightsChecker`, and the engine-side loader
-(`weightsync.receiver.loader`). No web framework: an engine serves the routes its own way.
+update sessions, delta syncs and the weights checker), `WeightsChecker`, `DeltaResult` (what
+applying a delta found), and the engine-side loader (`weightsync.receiver.loader`). No web
+framework: an engine serves the routes its own way.
 """
 
 from weightsync.receiver.agent import (
@@ -12,10 +13,12 @@ from weightsync.receiver.agent import (
     memory_regions,
 )
 from weightsync.receiver.checker import CheckResult, ParamDiff, WeightsChecker
+from weightsync.receiver.delta import DeltaResult
 from weightsync.receiver.loader import load_hf_tensors, shard_state_dict
 
 __all__ = [
     "CheckResult",
+    "DeltaResult",
     "ParamDiff",
     "RolloutAgent",
     "SessionState",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
@@ -15,9 +15,11 @@ import torch
 from weightsync.control.bootstrap_client import BootstrapClient
 from weightsync.control.models import Selector
 from weightsync.cuda_events import StreamGate
+from weightsync.delta_codec import checksums
 from weightsync.errors import WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.checker import CheckResult, WeightsChecker
+from weightsync.receiver.delta import DeltaRegion, DeltaResult, apply_deltas
 from weightsync.receiver.digest import ParameterDigests
 
 if TYPE_CHECKING:
@@ -53,6 +55,8 @@ class _Session:
             while a fenced begin's are still on the GPU).
         changed_outside: what a fenced begin found changed outside a session, for the end.
         expected: the trainers' digests `prepare_end` put in that order (None: none sent).
+        delta: whether every `RolloutAgent.apply_delta` of the session verified (None: it
+            applied none); False decides the end: not verified, whatever digests come.
     """
 
     selector: str
@@ -60,6 +64,7 @@ class _Session:
     at_begin: np.ndarray | None = None
     changed_outside: tuple[str, ...] = ()
     expected: np.ndarray | None = None
+    delta: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,12 +78,17 @@ class SessionCheck:
             session wrote).
         mismatched: at end, with expected digests, the parameters whose digest differs from
             the expected one or that had none expected.
-        verified: at end, expected digests were given and every parameter matched.
+        verified: at end, the session's bytes were checked and hold what the trainers
+            wrote: expected digests were given and every parameter matched, or (without
+            them) every delta the session applied verified; never after a delta that did
+            not verify.
         seconds: what computing the digests took (the cost of the checks).
         fence: at a fenced begin, the IPC handle (hex) of the CUDA event the begin's digest
             completes at: writes into the rank must follow it.
         changed_outside: at the end of a session begun with a fence, what its begin would
             have said in `changed` (known once the digest was read).
+        delta: at end, whether every delta the session applied verified (None: it applied
+            none).
     """
 
     changed: tuple[str, ...] = ()
@@ -87,6 +97,7 @@ class SessionCheck:
     seconds: float = 0.0
     fence: str | None = None
     changed_outside: tuple[str, ...] = ()
+    delta: bool | None = None
 
 
 class RolloutAgent:
@@ -106,7 +117,13 @@ class RolloutAgent:
        where the session stands). Both calls say which parameters changed since the last
        reference point (`SessionCheck`), so the engine knows without trusting anyone
        whether a session wrote anything and whether bytes arrived from outside a session.
-    4. Any time: `weights_checker` (snapshot / reset_tensors / compare / checksum).
+       A delta sync (an agent with a delta region) applies the trainers' payloads inside
+       the session, once they landed: `apply_delta` with the checksums the trainers
+       expect (`delta_checksums` read before the writes proves the base). An end without
+       digests of a session whose deltas verified counts as verified; one whose delta
+       did not verify never does.
+    4. Any time: `weights_checker` (snapshot / reset_tensors / compare / checksum) and
+       `delta_checksums`.
     5. `close` when the engine shuts down: unregisters the memory (the transport stays the
        caller's to close).
 
@@ -123,10 +140,14 @@ class RolloutAgent:
             themselves (then their digests are taken again after it); False when it only
             derives other tensors from them.
         weight_version: the label of the weights the rank starts with.
+        delta_region_bytes: the size of the delta region to allocate on the parameters'
+            device and register beside them (trainers write delta payloads there); 0 for
+            none (the rank then takes full syncs only).
 
     Raises:
-        ValueError: no parameters, a value that is not a tensor, or a non-contiguous
-            parameter (its bytes would not be where `weights_info` says).
+        ValueError: no parameters, a value that is not a tensor, a non-contiguous
+            parameter (its bytes would not be where `weights_info` says), or a negative
+            `delta_region_bytes`.
     """
 
     def __init__(
@@ -138,9 +159,19 @@ class RolloutAgent:
         on_update_end: Callable[[], None] | None = None,
         post_load_writes_params: bool = True,
         weight_version: str = "default",
+        delta_region_bytes: int = 0,
     ) -> None:
         if not params:
             raise ValueError("RolloutAgent needs at least one parameter")
+        if (
+            isinstance(delta_region_bytes, bool)
+            or not isinstance(delta_region_bytes, int)
+            or delta_region_bytes < 0
+        ):
+            raise ValueError(
+                f"delta_region_bytes must be a non-negative int (0: no delta region), got "
+                f"{delta_region_bytes!r}"
+            )
         for name, tensor in params.items():
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"parameter {name!r} is a {type(tensor).__name__}, not a tensor")
@@ -166,10 +197,13 @@ class RolloutAgent:
         self._gate = StreamGate(device) if StreamGate.supported(device) else None
         self._registered: list[int] = []
         self._regions = memory_regions(self._params.values())
+        self._delta_region: DeltaRegion | None = None
         try:
             for addr, num_bytes in self._regions:
                 transport.register(addr, num_bytes)
                 self._registered.append(addr)
+            if delta_region_bytes:
+                self._delta_region = DeltaRegion(transport, delta_region_bytes, device)
         except BaseException:
             self.close()
             raise
@@ -193,6 +227,11 @@ class RolloutAgent:
     def regions(self) -> tuple[tuple[int, int], ...]:
         """The ``(addr, num_bytes)`` memory regions registered with the transport."""
         return tuple(self._regions)
+
+    @property
+    def delta_region(self) -> tuple[int, int] | None:
+        """The ``(addr, num_bytes)`` delta region registered with the transport, or None."""
+        return self._delta_region.region if self._delta_region is not None else None
 
     @property
     def session_open(self) -> bool:
@@ -221,8 +260,14 @@ class RolloutAgent:
 
     def transfer_engine_info(self) -> dict[str, object]:
         """``{"session_id": ..., "weights_info_dict": weights_info()}`` as docs/protocol.md
-        publishes it."""
-        return {"session_id": self.session_id, "weights_info_dict": self.weights_info()}
+        publishes it; with a delta region, also ``"delta_region": [addr, num_bytes]``."""
+        info: dict[str, object] = {
+            "session_id": self.session_id,
+            "weights_info_dict": self.weights_info(),
+        }
+        if self._delta_region is not None:
+            info["delta_region"] = list(self._delta_region.region)
+        return info
 
     def publish(
         self, bootstrap_url: str, *, api_key: str | None = None, timeout_s: float = 30.0
@@ -358,7 +403,9 @@ class RolloutAgent:
             hold what the trainers wrote (every parameter must have a digest: a sync writes
             all), the verdict that decides (`changed` is then left empty: it is judged
             while generation waits, and nothing reads it); after a fenced begin, which had
-            changed outside a session before it.
+            changed outside a session before it. Verified with matching `expected`, or
+            without it when every `apply_delta` of the session verified; never when one
+            did not.
 
         Raises:
             UpdateSessionError: no session is open.
@@ -395,12 +442,19 @@ class RolloutAgent:
             self._reference = now
         finally:
             self._session = None
+        if session.delta is False:
+            verified = False
+        elif wanted is not None:
+            verified = not mismatched
+        else:
+            verified = session.delta is True
         return SessionCheck(
             changed=changed,
             mismatched=mismatched,
-            verified=wanted is not None and not mismatched,
+            verified=verified,
             seconds=seconds,
             changed_outside=session.changed_outside,
+            delta=session.delta,
         )
 
     def _open_session(self) -> _Session:
@@ -429,6 +483,55 @@ class RolloutAgent:
         self.read_fenced_begin()
         return self._digests.compute()
 
+    def delta_checksums(self) -> dict[str, int]:
+        """``{param_name: checksum}`` (`weightsync.delta_codec.checksums`) of what every
+        parameter holds now; read-only, any time."""
+        return checksums(self._params)
+
+    def apply_delta(
+        self, payloads: Sequence[tuple[int, int]], expected: Mapping[str, int]
+    ) -> DeltaResult:
+        """Apply the delta payloads the trainers wrote into the delta region, in order, and
+        check every parameter against the checksums they expect; the session remembers the
+        verdict for `end_update`.
+
+        A payload that is not a valid delta stops the apply: it changed nothing, but the
+        payloads before it stay applied, so the result (with its ``error``) is not verified.
+
+        Args:
+            payloads: ``(offset, num_bytes)`` of each payload inside the delta region.
+            expected: ``{param_name: checksum}`` each changed parameter must hold after
+                applying (the base's checksum plus the trainers' change).
+
+        Returns:
+            What was written and the checksums of every parameter after it; ``mismatched``
+            names the parameters whose checksum is not the expected one and those a
+            payload wrote without one expected.
+
+        Raises:
+            UpdateSessionError: no session is open, or its end is being prepared.
+            ValueError: this rank has no delta region, a payload lies outside it, or
+                `expected` names a parameter the rank does not have; nothing was applied.
+        """
+        session = self._open_session()
+        rank = f"tp rank {self._parallelism.tp_rank}"
+        if session.state is SessionState.ENDING:
+            raise UpdateSessionError(
+                f"{rank}: the weight-update session's end is being prepared; apply deltas "
+                "before ending the session"
+            )
+        if self._delta_region is None:
+            raise ValueError(
+                f"{rank} has no delta region (its agent was built with delta_region_bytes=0); "
+                "it takes full syncs only"
+            )
+        views = self._delta_region.payloads(payloads, where=rank)
+        # A fenced begin's digest reads the parameters on the GPU: read it before they change.
+        self._digests_at_begin(session)
+        result = apply_deltas(views, self._params, expected, where=rank)
+        session.delta = result.verified and session.delta is not False
+        return result
+
     def weights_checker(
         self,
         action: str,
@@ -455,10 +558,12 @@ class RolloutAgent:
         return result
 
     def close(self) -> None:
-        """Unregister every region this agent registered (idempotent); a digest still held
-        behind the gate is let run."""
+        """Unregister every region this agent registered, the delta region too
+        (idempotent); a digest still held behind the gate is let run."""
         if self._gate is not None:
             self._gate.open()
+        if self._delta_region is not None:
+            self._delta_region.close()
         while self._registered:
             self._transport.unregister(self._registered.pop())
 

@@ -16,6 +16,7 @@ MIB = 1 << 20
 SLOT_ALIGN_BYTES = 64
 
 StagingKind = Literal["auto", "host", "cuda"]
+ReferencePlacement = Literal["device", "host"]
 FiniteCheck = Literal["first", "always", "never"]
 FINITE_CHECKS: tuple[str, ...] = ("first", "always", "never")
 HOST_CHUNK_BYTES = 64 * MIB
@@ -63,6 +64,10 @@ class SenderConfig:
             ``"always"`` every such piece, ``"never"`` none. The trainer's storages read
             directly are registered with the transport (Mooncake) or read by copies into
             the receivers' mapped memory (CUDA IPC).
+        delta_reference: where a sender that takes delta syncs keeps its reference copy of
+            the bytes it last pushed (`weightsync.sender.delta_reference`): ``"device"``
+            beside each tensor (GPU memory for GPU tensors; encoding runs at memory speed),
+            ``"host"`` in host memory (encoding then copies each tensor to the host).
         replay: a push that wrote every byte directly is captured (a CUDA graph into mapped
             memory, or bound write lists) and replayed on later syncs while the export's
             tensors stay where they are (`weightsync.sender.replay`): no per-tensor work.
@@ -84,6 +89,7 @@ class SenderConfig:
     digest: bool = True
     direct: DirectPolicy = "auto"
     replay: bool = True
+    delta_reference: ReferencePlacement = "device"
 
     def __post_init__(self) -> None:
         names = (
@@ -120,6 +126,11 @@ class SenderConfig:
         if self.staging not in ("auto", "host", "cuda"):
             raise ValueError(
                 f"SenderConfig.staging must be 'auto', 'host' or 'cuda', got {self.staging!r}"
+            )
+        if self.delta_reference not in ("device", "host"):
+            raise ValueError(
+                "SenderConfig.delta_reference must be 'device' or 'host', got "
+                f"{self.delta_reference!r}"
             )
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError(

@@ -12,9 +12,11 @@ from weightsync.errors import PartialPushError, TransferError
 from weightsync.export.base import WeightExport
 from weightsync.plan.items import SourcePlan
 from weightsync.plan.program import PushProgram, StagingSpec
-from weightsync.plan.types import SourceHolding
+from weightsync.plan.types import SourceHolding, TargetRank
 from weightsync.sender.checked import CheckedPush
 from weightsync.sender.config import SenderConfig
+from weightsync.sender.delta import DeltaPush, DeltaStats
+from weightsync.sender.delta_reference import DeltaReference
 from weightsync.sender.digest import DigestSums
 from weightsync.sender.direct import (
     MappedDirect,
@@ -122,6 +124,7 @@ class WeightSender:
         self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
         self._landing = Landing(config.timeout_s)
         self._fences: PushFences | None = None
+        self._delta: DeltaPush | None = None
         self._closed = False
 
     @property
@@ -311,6 +314,54 @@ class WeightSender:
         stats = self._landing.finish(stats)
         self._pushed = True
         return stats
+
+    def push_delta(
+        self,
+        plan: SourcePlan,
+        export: WeightExport,
+        targets: Sequence[TargetRank],
+        *,
+        token: int,
+    ) -> DeltaStats:
+        """Write the changes since the last push into `targets`' delta regions, and keep
+        this push as the reference of the next (`weightsync.sender.delta`).
+
+        Call it after `push` of the same export (which writes the targets that take full
+        bytes; it may have none), on every rank, for every push of a sync that keeps a
+        delta reference: a push with no delta target only records the reference.
+
+        Args:
+            plan: the rank's whole source plan (the delta targets among its targets).
+            export: the export `push` read.
+            targets: the targets that take a delta; their bases must be the bytes of the
+                push the reference holds (the driver checks, `weightsync.manager`).
+            token: labels the reference once this push recorded every tensor.
+
+        Returns:
+            What was written where, per target, with each parameter's checksum change.
+
+        Raises:
+            ValueError: the sender is closed, a delta is asked for without a complete
+                reference, or a target offers no delta region (nothing is written).
+            TensorChangedError: a tensor changed while the push read it.
+        """
+        if self._closed:
+            raise ValueError("push_delta() on a closed WeightSender")
+        if self._delta is None:
+            self._delta = DeltaPush(
+                self._transport,
+                capabilities=self._capabilities,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout_s=self.config.timeout_s,
+                reference=DeltaReference(self.config.delta_reference),
+            )
+        return self._delta.push(plan, export, targets, token=token)
+
+    @property
+    def delta_reference_bytes(self) -> int:
+        """Bytes the delta reference keeps (0 before a push kept one)."""
+        return self._delta.reference.num_bytes if self._delta is not None else 0
 
     def _take(self, checked: CheckedPush) -> None:
         """Accept `checked` for a push, once.
@@ -552,6 +603,8 @@ class WeightSender:
         self._programs.drop_captures()
         self._mapped_params = {}
         self._sources.release()
+        if self._delta is not None:
+            self._delta.release()
 
     def restore(self) -> None:
         """Allocate and register the staging memory again after `release` (no-op if unused)."""
@@ -565,6 +618,8 @@ class WeightSender:
         if self._closed:
             return
         self.release()
+        if self._delta is not None:
+            self._delta.reference.free()
         self._filler.close()
         self._closed = True
 

@@ -19,7 +19,8 @@ Beyond SGLang it serves ``/parallelism_config`` and ``/get_weight_version`` (the
 extensions) and says so in ``/server_info["weightsync"]["capabilities"]``; unless started
 with the fused lifecycle off, also ``/begin_weight_sync`` and ``/end_weight_sync`` (capability
 ``weight_sync_fused``): the update lifecycle's eight calls in two, each step answering as its
-own route would.
+own route would; and ``/weightsync/delta_checksums`` and ``/weightsync/apply_delta``, the
+delta syncs of a replica started with a delta region (capability ``weight_sync_delta``).
 
 Handlers never wait on the engine in the event loop: the engine runs in rank 0's engine
 thread and handlers await its futures, so ``/server_info`` answers during a long generation
@@ -38,10 +39,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from weightsync import __version__
 from weightsync.control.models import (
     AbortRequestRequest,
+    ApplyDeltaRequest,
+    ApplyDeltaResponse,
     BeginWeightSyncRequest,
     BeginWeightUpdateRequest,
     BeginWeightUpdateResponse,
     ContinueGenerationRequest,
+    DeltaChecksumsRequest,
+    DeltaChecksumsResponse,
     EndWeightSyncRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
@@ -62,6 +67,7 @@ from weightsync.control.models import (
     WeightVersionResponse,
 )
 from weightsync.control.protocol import WEIGHT_SYNC_FUSED
+from weightsync.receiver.delta import DeltaResult
 from weightsync.server.controller import ReplicaController, SessionGrant, StepRefusedError
 from weightsync.server.direct import DirectApp, DirectRoute
 from weightsync.server.extensions import ServerExtension
@@ -359,6 +365,51 @@ def create_main_app(
         return success_body(success, message, **extra)
 
     @app.post(
+        "/weightsync/delta_checksums",
+        response_model=DeltaChecksumsResponse,
+        dependencies=authorized,
+        responses={**error_responses(507), **SUCCESS_400},
+    )
+    async def delta_checksums(body: DeltaChecksumsRequest | None = None) -> Any:
+        """Every rank's checksums of its parameters (``weightsync.delta_codec``), any time;
+        400 for a ``session_token`` while another client holds the open session."""
+        body = body or DeltaChecksumsRequest()
+        try:
+            by_rank = await controller.delta_checksums(body.session_token)
+        except ControlError as exc:
+            if exc.status_code != 400:
+                raise
+            return success_body(False, str(exc))
+        ranks = {str(rank): {"checksums": sums} for rank, sums in enumerate(by_rank)}
+        return success_body(True, f"checksums of {len(ranks)} rank(s)", ranks=ranks)
+
+    @app.post(
+        "/weightsync/apply_delta",
+        response_model=ApplyDeltaResponse,
+        dependencies=authorized,
+        responses={**error_responses(507), 400: {"model": ApplyDeltaResponse}},
+    )
+    async def apply_delta(body: ApplyDeltaRequest) -> Any:
+        """Apply the delta payloads trainers wrote into every rank's delta region, inside
+        the open session, and check every rank's checksums; 400 with no session open, for
+        another holder's token, a rank missing, a payload outside its region (nothing
+        applied), or a rank that did not verify (its ``ranks`` entry says what differs;
+        the weights are then incomplete and the session's end will not verify)."""
+        ranks = {rank: (entry.payloads, entry.expected) for rank, entry in body.ranks.items()}
+        try:
+            problem, results = await controller.apply_delta(body.session_token, ranks)
+        except ControlError as exc:
+            if exc.status_code != 400:
+                raise
+            return success_body(False, str(exc))
+        replies = {str(rank): _delta_reply(result) for rank, result in enumerate(results)}
+        if problem is not None:
+            return success_body(False, problem, ranks=replies)
+        num_elements = sum(result.num_elements for result in results)
+        message = f"delta applied and verified: {num_elements} element(s) on {len(results)} rank(s)"
+        return success_body(True, message, ranks=replies)
+
+    @app.post(
         "/generate",
         response_model=GenerateResponse,
         dependencies=authorized,
@@ -371,6 +422,18 @@ def create_main_app(
     for extension in extensions:
         extension.add_routes(app, controller, api_key=api_key)
     return app
+
+
+def _delta_reply(result: DeltaResult) -> dict[str, Any]:
+    """One rank's entry of ``/weightsync/apply_delta``'s ``ranks``."""
+    return {
+        "num_elements": result.num_elements,
+        "mismatched": list(result.mismatched),
+        "checksums": result.checksums,
+        "error": result.error,
+        "verified": result.verified,
+        "seconds": result.seconds,
+    }
 
 
 # A fused call's refusals: a step's 400 (or 503), or 504 past its budget, as the step body.

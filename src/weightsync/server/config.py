@@ -89,6 +89,9 @@ class ServeConfig:
             ``weight_sync_fused`` (off: only the eight standard lifecycle calls, as SGLang).
         event_loop: the main process's event loop (`weightsync.control.loops`): ``auto``
             (uvloop where installed), ``asyncio`` or ``uvloop``.
+        delta_region_mb: MiB of the delta region each rank registers beside its parameters,
+            which trainers write delta payloads into (``weight_sync_delta``); 0: none, the
+            replica takes full syncs only.
 
     Raises:
         ValueError: a value out of range or not one of the choices.
@@ -121,6 +124,7 @@ class ServeConfig:
     max_new_tokens_limit: int | None = None
     fused_lifecycle: bool = True
     event_loop: str = "auto"
+    delta_region_mb: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -188,6 +192,15 @@ class ServeConfig:
                 f"length), got {self.max_new_tokens_limit!r}"
             )
         check_unauthenticated_timeout(self.unauthenticated_timeout_s)
+        if (
+            isinstance(self.delta_region_mb, bool)
+            or not isinstance(self.delta_region_mb, int)
+            or self.delta_region_mb < 0
+        ):
+            raise ValueError(
+                f"delta_region_mb must be a non-negative int (0: no delta region), got "
+                f"{self.delta_region_mb!r}"
+            )
         if self.collective_timeout_s <= 0:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"

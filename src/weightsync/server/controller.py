@@ -10,6 +10,8 @@ object per noun, each in its own module:
   verified update; generation is refused (503) and ``continue_generation`` too (400) until
   one lands;
 - `ReleasedMemory` (`weightsync.server.memory_tags`): released memory-saver tags;
+- delta syncs (`weightsync.server.delta`): checksums any time, deltas applied inside the
+  session, which remembers whether they verified;
 - the fused calls (`weightsync.server.fused`) and what the replica says about itself
   (`weightsync.server.info`).
 """
@@ -22,10 +24,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from weightsync.control.models import GenerateRequest, GenerateResponse, WeightsCheckerRequest
-from weightsync.control.protocol import WEIGHT_SYNC_FENCE
+from weightsync.control.protocol import WEIGHT_SYNC_DELTA, WEIGHT_SYNC_FENCE
 from weightsync.cuda_events import IpcEvents
+from weightsync.receiver.delta import DeltaResult
 from weightsync.server import fused
 from weightsync.server import info as about
+from weightsync.server.delta import RankDelta, delta_command
 from weightsync.server.engine_calls import EngineCalls
 from weightsync.server.fused import StepLog, StepRefusedError
 from weightsync.server.generation import Generation
@@ -40,7 +44,12 @@ from weightsync.server.integrity import (
 from weightsync.server.landing import LANDING_TIMEOUT_S
 from weightsync.server.limits import GenerationBounds
 from weightsync.server.memory_tags import ReleasedMemory
-from weightsync.server.ranks.commands import FlushCache, Generate, SetWeightVersion
+from weightsync.server.ranks.commands import (
+    DeltaChecksums,
+    FlushCache,
+    Generate,
+    SetWeightVersion,
+)
 from weightsync.server.ranks.driver import EngineDriver
 from weightsync.server.replica_info import ReplicaInfo
 from weightsync.server.session import (
@@ -88,7 +97,10 @@ class ReplicaController:
     ) -> None:
         self._engine = EngineCalls(driver)
         self.capabilities = about.capabilities(
-            fused_lifecycle=fused_lifecycle, events=events is not None, fence=fence
+            fused_lifecycle=fused_lifecycle,
+            events=events is not None,
+            fence=fence,
+            delta=info.serves_deltas,
         )
         self._events = events
         self.info = info
@@ -379,6 +391,49 @@ class ReplicaController:
     # round trip; a step that refuses answers as the refusing call would.
     begin_weight_sync = fused.begin_weight_sync
     end_weight_sync = fused.end_weight_sync
+
+    async def delta_checksums(self, token: str | None) -> list[dict[str, int]]:
+        """Every rank's checksums of its parameters (`weightsync.delta_codec`), by tp rank;
+        any time (read-only).
+
+        Raises:
+            ControlError: 400 for `token` while a session is open that another client
+                holds (or that is not open: beginning or ending).
+        """
+        session = self._session
+        if token is not None and session is not None:
+            session.check_holder(token, "delta_checksums")
+        return await self._engine.run(DeltaChecksums())
+
+    async def apply_delta(
+        self, token: str | None, ranks: Mapping[int, RankDelta]
+    ) -> tuple[str | None, list[DeltaResult]]:
+        """Apply the delta payloads trainers wrote into every rank's delta region, inside
+        the open session, and check them (`ReplicaSession.apply_delta`). A delta that does
+        not verify leaves the weights incomplete, and the session open for its holder to
+        end: that end is not verified.
+
+        Args:
+            token: the session token (required for a leased session).
+            ranks: per tp rank (every one), its payloads and expected checksums.
+
+        Returns:
+            The problem (None when every rank verified) and each rank's result, by tp rank.
+
+        Raises:
+            ControlError: 400 where this replica has no delta region, no session is open,
+                for another holder's token, or a request that fails `delta_command` (then
+                nothing was applied); a rank's failure (its status).
+        """
+        if WEIGHT_SYNC_DELTA not in self.capabilities:
+            raise ControlError(
+                "apply_delta: this replica has no delta region (it does not advertise "
+                "weight_sync_delta); start it with weightsync serve --delta-region-mb N, or "
+                "write full bytes",
+                status_code=400,
+            )
+        session = self._holder(token, "apply_delta")
+        return await session.apply_delta(delta_command(self.info, ranks))
 
     def _holder(self, token: str | None, route: str) -> ReplicaSession:
         """The open session, if `token` may act on it (`ReplicaSession.check_holder`)."""

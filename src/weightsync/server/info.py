@@ -10,6 +10,7 @@ from weightsync.control.protocol import (
     GET_WEIGHT_VERSION,
     PARALLELISM_CONFIG,
     POST_LOAD_AT_UPDATE_END,
+    WEIGHT_SYNC_DELTA,
     WEIGHT_SYNC_EVENTS,
     WEIGHT_SYNC_FENCE,
     WEIGHT_SYNC_FUSED,
@@ -52,13 +53,17 @@ class WeightLabel:
             self.highest = number
 
 
-def capabilities(*, fused_lifecycle: bool, events: bool, fence: bool) -> tuple[str, ...]:
-    """What a replica advertises: `CAPABILITIES`, and with `fused_lifecycle` the fused
-    calls, waiting for CUDA events (`events`) and fenced sessions (`fence`)."""
+def capabilities(
+    *, fused_lifecycle: bool, events: bool, fence: bool, delta: bool = False
+) -> tuple[str, ...]:
+    """What a replica advertises: `CAPABILITIES`, delta syncs where every rank has a delta
+    region (`delta`), and with `fused_lifecycle` the fused calls, waiting for CUDA events
+    (`events`) and fenced sessions (`fence`)."""
+    served = CAPABILITIES + ((WEIGHT_SYNC_DELTA,) if delta else ())
     if not fused_lifecycle:
-        return CAPABILITIES
+        return served
     fused = FUSED_CAPABILITIES + ((WEIGHT_SYNC_EVENTS,) if events else ())
-    return CAPABILITIES + fused + ((WEIGHT_SYNC_FENCE,) if fence else ())
+    return served + fused + ((WEIGHT_SYNC_FENCE,) if fence else ())
 
 
 def session_info(session: ReplicaSession | None, integrity: WeightIntegrity) -> dict[str, Any]:

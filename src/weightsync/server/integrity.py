@@ -86,10 +86,13 @@ class WeightIntegrity:
         unverified: bool,
     ) -> tuple[str | None, tuple[str, ...]]:
         """Decide what the weights are once every rank ended a session (`checks`, by tp
-        rank): complete when the trainers' digests matched (`verifying`), or when a
-        labelled (`versioned`) session ended by ``end_weight_update`` (`reason`) is
-        unleased or `unverified`; incomplete when the digests differ, when a labelled
-        leased session sent none, or when an unlabelled one changed bytes; else as before.
+        rank): incomplete when a delta the session applied did not verify on a rank,
+        whatever else; complete when the trainers' digests matched (`verifying`), when
+        every rank verified the deltas it applied and the holder's ``end_weight_update``
+        (`reason`) sent no digests and is not `unverified` (verified then), or when a
+        labelled (`versioned`) session ended by ``end_weight_update`` is unleased or
+        `unverified`; incomplete when the digests differ, when a labelled leased session
+        sent none, or when an unlabelled one changed bytes; else as before.
 
         Returns:
             The problem found (None when the update is complete or nothing changed) and,
@@ -100,8 +103,15 @@ class WeightIntegrity:
         # What a fenced begin would have said first: the verdict on this session follows.
         self.found_changed_outside(outside)
         changed = by_rank(checks, "changed")
+        failed_delta = [rank for rank, check in enumerate(checks) if check.delta is False]
         problem: str | None = None
-        if verifying:
+        if failed_delta:
+            problem = (
+                f"a delta applied in the weight-update session did not verify on tp rank(s) "
+                f"{failed_delta}: the weights are not what the trainers meant, whatever the "
+                "end says; a complete update (a full sync) must land"
+            )
+        elif verifying:
             mismatched = by_rank(checks, "mismatched")
             if mismatched:
                 problem = (
@@ -111,6 +121,15 @@ class WeightIntegrity:
                 )
             else:
                 self.complete(verified=True)
+        elif (
+            reason == "end_weight_update"
+            and not unverified
+            and checks
+            and all(check.delta and check.verified for check in checks)
+        ):
+            # Every rank checked every byte of the deltas it applied against the trainers'
+            # checksums: as good as matching digests.
+            self.complete(verified=True)
         elif versioned and reason == "end_weight_update":
             if not leased or unverified:
                 self.complete(verified=False)

@@ -38,6 +38,20 @@ class ReplicaInfo:
         """How many TP ranks the replica has."""
         return len(self._ranks)
 
+    @property
+    def serves_deltas(self) -> bool:
+        """Whether every rank registered a delta region."""
+        return all(info.delta_region for info in self._ranks)
+
+    def delta_region_bytes(self, rank: int) -> int:
+        """The size of rank `rank`'s delta region (0: it has none)."""
+        region = self._ranks[rank].delta_region
+        return region[1] if region else 0
+
+    def param_names(self, rank: int) -> frozenset[str]:
+        """The names of rank `rank`'s parameters."""
+        return frozenset(self._ranks[rank].weights_info)
+
     def server_args(self) -> dict[str, Any]:
         """The ``/server_info`` fields that describe how the server runs."""
         config = self._config
@@ -71,7 +85,7 @@ class ReplicaInfo:
 
     def transfer_engine_info(self, rank: int | None) -> dict[str, Any]:
         """``{"rank", "remote_instance_transfer_engine_info": [session_id, weights_info],
-        "registered_regions", "scratch_region"}``.
+        "registered_regions", "scratch_region", "delta_region"}``.
 
         Raises:
             ControlError: 400 for a missing or unknown rank.
@@ -90,6 +104,7 @@ class ReplicaInfo:
             "remote_instance_transfer_engine_info": [info.session_id, info.weights_info],
             "registered_regions": info.regions,
             "scratch_region": info.scratch_region,
+            "delta_region": info.delta_region,
         }
 
     def parallelism_config(self, rank: int) -> dict[str, int]:

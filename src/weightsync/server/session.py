@@ -19,11 +19,18 @@ from dataclasses import dataclass
 
 from weightsync.cuda_events import IpcEvents
 from weightsync.receiver.agent import SessionCheck
+from weightsync.receiver.delta import DeltaResult
+from weightsync.server.delta import delta_problem
 from weightsync.server.engine_calls import RunOnRanks
 from weightsync.server.http import ControlError
 from weightsync.server.integrity import WeightIntegrity, by_rank
 from weightsync.server.landing import LANDING_TIMEOUT_S, NotLandedError, await_landing
-from weightsync.server.ranks.commands import BeginUpdate, EndUpdate, SetWeightVersion
+from weightsync.server.ranks.commands import (
+    ApplyDelta,
+    BeginUpdate,
+    EndUpdate,
+    SetWeightVersion,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +189,31 @@ class ReplicaSession:
                 "it to end or for its lease to expire",
                 status_code=400,
             )
+
+    async def apply_delta(self, command: ApplyDelta) -> tuple[str | None, list[DeltaResult]]:
+        """Apply the trainers' delta payloads on every rank, inside this session (`command`,
+        checked against the ranks' regions by `weightsync.server.delta.delta_command`).
+        A delta that does not verify on some rank leaves the weights incomplete until a
+        complete update lands; the ranks remember it, so the session's end cannot verify.
+
+        Returns:
+            The problem (None when every rank verified) and each rank's result, by tp rank.
+
+        Raises:
+            ControlError: a rank refused or failed: the weights are then incomplete (the
+                other ranks may have applied theirs).
+        """
+        try:
+            results = await self._run(command)
+        except ControlError as exc:
+            self._integrity.mark_incomplete(
+                f"apply_delta failed on a rank ({exc}); the other ranks may have applied theirs"
+            )
+            raise
+        problem = delta_problem(results)
+        if problem is not None:
+            self._integrity.mark_incomplete(problem)
+        return problem, results
 
     def renew(self, lease_s: float) -> None:
         """Extend the lease by `lease_s` from now.

@@ -80,6 +80,7 @@ def start_replicas(
     device: str = "cpu",
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = READY_TIMEOUT_S,
+    delta_region_mb: int = 0,
 ) -> list[ServedReplica]:
     """Start `num_replicas` replicas in parallel and wait until each serves.
 
@@ -94,6 +95,7 @@ def start_replicas(
         device: ``cpu`` or ``cuda``.
         extra_args: more `weightsync serve` options.
         ready_timeout_s: how long to wait for all replicas together.
+        delta_region_mb: MiB of each rank's delta region (``--delta-region-mb``); 0: none.
 
     Raises:
         RuntimeError: a replica exited or was not ready within `ready_timeout_s` (the message
@@ -116,6 +118,7 @@ def start_replicas(
                 "--model", str(model_path), "--tp", str(tp), "--ep", str(ep), "--device", device,
                 "--port", "0", "--bootstrap-port", "0", "--ready-file", str(ready_file),
                 *(["--dtype", dtype] if dtype else []),
+                *(["--delta-region-mb", str(delta_region_mb)] if delta_region_mb else []),
                 *extra_args,
             ]  # fmt: skip
             with open(log_path, "wb") as log:

@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 METHODS = ("p2p", "p2p-nodigest", "baseline", "from-tensor")
-"""The syncs a bench can time: weightsync (``p2p``), the same without the senders' digests
-(``p2p-nodigest``: what verification costs the trainer side), the broadcast baseline, and
-the colocated baseline (``from-tensor``: SGLang's ``update_weights_from_tensor``, buckets
-shared by reference, as verl's ``naive`` backend; replicas on the trainer's host)."""
+"""The syncs a bench compares by default: weightsync (``p2p``), the same without the
+senders' digests (``p2p-nodigest``: what verification costs the trainer side), the broadcast
+baseline, and the colocated baseline (``from-tensor``: SGLang's ``update_weights_from_tensor``,
+buckets shared by reference, as verl's ``naive`` backend; replicas on the trainer's host).
+``p2p-delta`` (weightsync with ``SyncConfig(delta=True)``) is built when asked for."""
+ALL_METHODS = (*METHODS, "p2p-delta")
 _RESULT_TIMEOUT_S = 1800.0
 
 
@@ -54,8 +56,9 @@ class TrainerSpec:
         ipc_streams: CUDA IPC streams one write is spread over.
         fused_experts: the trainer holds each layer's experts as two fused tensors
             (`weightsync.testing.synthetic.synthetic_export`).
-        methods: the syncs to build (`METHODS`).
+        methods: the syncs to build (`ALL_METHODS`).
         direct: the P2P senders' `SenderConfig.direct`.
+        lr: the learning rate of `SyncTrainers.step` (AdamW on the trainer's weights).
     """
 
     config: dict[str, Any]
@@ -75,6 +78,7 @@ class TrainerSpec:
     fused_experts: bool = True
     methods: tuple[str, ...] = field(default=METHODS)
     direct: str = "auto"
+    lr: float = 1e-6
 
 
 def check_weights(urls: Sequence[str], action: str, api_key: str | None = None) -> None:
@@ -107,7 +111,7 @@ def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
     from weightsync.manager import SyncManager
 
     syncs: dict[str, Any] = {}
-    for method in ("p2p", "p2p-nodigest"):
+    for method in ("p2p", "p2p-nodigest", "p2p-delta"):
         if method not in spec.methods:
             continue
         transport: ws.MooncakeConfig | ws.CudaIpcConfig = ws.MooncakeConfig(
@@ -125,6 +129,7 @@ def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
             ),
             control=ws.ControlConfig(api_key=spec.api_key, http_timeout_s=600.0),
             transport=transport,
+            delta=method == "p2p-delta",
         )
         syncs[method] = ws.TrainerSync(
             config,
@@ -188,11 +193,17 @@ def trainer_main(
         generate_s = time.perf_counter() - t0
         syncs = _syncs(spec, dist.group.WORLD, rank)
         results.put({"kind": "ready", "rank": rank, "generate_s": generate_s})
+        stepper: _Steps | None = None
         while (command := commands.get())["kind"] != "stop":
             if command["kind"] == "loop":
                 results.put(_loop(spec, syncs[command["method"]], export, command["count"], rank))
                 continue
-            if rank == 0:
+            if command["kind"] == "step":
+                stepper = stepper or _Steps(export, spec.lr, seed=spec.seed + 1000 * (rank + 1))
+                results.put({"kind": "step", "rank": rank, "seconds": stepper.step()})
+                continue
+            check = command.get("check", True)
+            if rank == 0 and check:
                 # Corrupting weights is for paused replicas; the sync resumes them.
                 check_weights(spec.urls, "pause_generation", spec.api_key)
                 check_weights(spec.urls, "snapshot", spec.api_key)
@@ -202,12 +213,13 @@ def trainer_main(
             wall_s = time.perf_counter() - start
             event: dict[str, Any] = {"kind": "run", "rank": rank}
             if rank == 0:
-                # Raises (and so fails the run) unless every parameter equals the snapshot.
-                check_weights(spec.urls, "compare", spec.api_key)
+                if check:
+                    # Raises (and so fails the run) unless every parameter equals the snapshot.
+                    check_weights(spec.urls, "compare", spec.api_key)
                 event.update(
                     report=report.to_dict(),
                     wall_s=wall_s,
-                    bit_exact=True,
+                    bit_exact=check,
                     replica_digest_s=replica_digest_seconds(spec.urls, spec.api_key),
                 )
             results.put(event)
@@ -222,6 +234,38 @@ def trainer_main(
             except Exception:
                 traceback.print_exc()
         results.put({"kind": "exit", "rank": rank})
+
+
+class _Steps:
+    """AdamW steps on a rank's exported weights, in place, with Gaussian gradients (the
+    weights' storage stays where the export has it, so the syncs see each step)."""
+
+    def __init__(self, export: Any, lr: float, *, seed: int) -> None:
+        import torch
+
+        self._torch = torch
+        tensors = []
+        seen: set[int] = set()
+        for _, tensor in export:
+            base = tensor._base if tensor._base is not None else tensor
+            if id(base) not in seen:
+                seen.add(id(base))
+                tensors.append(base)
+        self._params = [torch.nn.Parameter(t, requires_grad=True) for t in tensors]
+        self._optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=0.0)
+        self._generator = torch.Generator(device=tensors[0].device).manual_seed(seed)
+
+    def step(self) -> float:
+        """One step; its seconds."""
+        torch = self._torch
+        start = time.perf_counter()
+        for param in self._params:
+            param.grad = torch.randn(
+                param.shape, generator=self._generator, device=param.device, dtype=param.dtype
+            ).mul_(1e-3)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
 
 def _loop(spec: TrainerSpec, sync: Any, export: Any, count: int, rank: int) -> dict[str, Any]:
@@ -291,18 +335,26 @@ class SyncTrainers:
             raise
         self.generate_s = max(r["generate_s"] for r in ready)
 
-    def run(self, method: str) -> dict[str, Any]:
-        """One sync by `method` (one of `METHODS`), verified bit-exact: rank 0's
-        ``report`` (`SyncReport.to_dict`, every rank's push in ``report["sources"]``) and
-        ``wall_s``.
+    def run(self, method: str, *, check: bool = True) -> dict[str, Any]:
+        """One sync by `method` (one of `ALL_METHODS`), verified bit-exact unless not
+        `check`: rank 0's ``report`` (`SyncReport.to_dict`, every rank's push in
+        ``report["sources"]``) and ``wall_s``. The check overwrites the replicas' weights
+        with random values first (a delta sync then has no base: it checks itself).
 
         Raises:
             RuntimeError: a rank failed (with its traceback), or the check failed.
         """
         for commands in self.commands:
-            commands.put({"kind": "run", "method": method})
+            commands.put({"kind": "run", "method": method, "check": check})
         events = sorted((self._next("run") for _ in self.commands), key=lambda e: e["rank"])
         return events[0]
+
+    def step(self) -> float:
+        """One AdamW step (``spec.lr``, Gaussian gradients) on every rank's weights; the
+        slowest rank's seconds."""
+        for commands in self.commands:
+            commands.put({"kind": "step"})
+        return max(self._next("step")["seconds"] for _ in self.commands)
 
     def loop(self, method: str, count: int) -> list[dict[str, Any]]:
         """`count` syncs by `method` back to back, with no corruption in between (each is

@@ -261,6 +261,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                 lifecycle_timeout_s=opts.lifecycle_timeout_s,
             ),
             transport=self._transport_config(),
+            delta=opts.delta,
         )
         group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         self._sync = TrainerSync(

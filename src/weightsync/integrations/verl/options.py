@@ -36,6 +36,9 @@ class VerlOptions:
         server_actor_name: how the rollout's per-node server actors are named in Ray, with
             ``{replica_rank}`` and ``{node_rank}``; stock verl's replicas are found by it.
         lifecycle_timeout_s: deadline of each control-plane call to a replica.
+        delta: write only what changed since the last sync into replicas that prove they
+            hold it (``SyncConfig.delta``); SGLang as released cannot prove it yet and takes
+            full bytes.
 
     Raises:
         ValueError: an unknown key, a value of the wrong type or out of range, or a
@@ -52,6 +55,7 @@ class VerlOptions:
     api_key: str | None = None
     server_actor_name: str = "sglang_server_{replica_rank}_{node_rank}"
     lifecycle_timeout_s: float = 30.0
+    delta: bool = False
 
     def __post_init__(self) -> None:
         where = "checkpoint_engine.engine_kwargs.weightsync"
@@ -65,7 +69,7 @@ class VerlOptions:
             raise ValueError(
                 f"{where}.update_weights_bucket_megabytes must be a positive integer, got {mb!r}"
             )
-        for name in ("check_weight_update_equal", "check_weight_update_allow_quant_error"):
+        for name in ("check_weight_update_equal", "check_weight_update_allow_quant_error", "delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"{where}.{name} must be true or false, got {getattr(self, name)!r}"

@@ -78,6 +78,25 @@ class CheckWeights:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DeltaChecksums:
+    """Every rank's delta checksums of its parameters (`RolloutAgent.delta_checksums`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApplyDelta:
+    """Apply the delta payloads trainers wrote into each rank's delta region, inside the
+    open session, and check them (`RolloutAgent.apply_delta`).
+
+    Attributes:
+        payloads: per tp rank, the ``(offset, num_bytes)`` of its payloads in its region.
+        expected: per tp rank, ``{param_name: checksum}`` its changed parameters must hold.
+    """
+
+    payloads: tuple[tuple[tuple[int, int], ...], ...]
+    expected: tuple[dict[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FlushCache:
     """Drop caches; with ``empty_device_cache``, return cached device memory too."""
 
@@ -90,7 +109,15 @@ class Shutdown:
 
 
 Command = (
-    Generate | BeginUpdate | EndUpdate | SetWeightVersion | CheckWeights | FlushCache | Shutdown
+    Generate
+    | BeginUpdate
+    | EndUpdate
+    | SetWeightVersion
+    | CheckWeights
+    | DeltaChecksums
+    | ApplyDelta
+    | FlushCache
+    | Shutdown
 )
 """The reference engine's own commands; server extensions add theirs
 (`weightsync.server.extensions`)."""
@@ -140,6 +167,8 @@ class RankInfo:
         regions: the ``[addr, num_bytes]`` memory regions registered with its transport.
         scratch_region: ``[addr, num_bytes]`` of the scratch buffer registered beside them
             for test writes (never a parameter), or None.
+        delta_region: ``[addr, num_bytes]`` of the region trainers write delta payloads
+            into, or None.
     """
 
     tp_rank: int
@@ -150,3 +179,4 @@ class RankInfo:
     dtype: str
     regions: list[list[int]]
     scratch_region: list[int] | None = None
+    delta_region: list[int] | None = None

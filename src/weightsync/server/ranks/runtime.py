@@ -17,7 +17,7 @@ from weightsync.layout import model_dtype
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.agent import RolloutAgent, SessionState, UpdateSessionError
 from weightsync.receiver.loader import load_hf_tensors
-from weightsync.server.config import ServeConfig
+from weightsync.server.config import MIB, ServeConfig
 from weightsync.server.extensions import RankContext, ServerExtension, load_extensions
 from weightsync.server.ranks.commands import (
     CONFLICT,
@@ -25,9 +25,11 @@ from weightsync.server.ranks.commands import (
     INVALID,
     OUT_OF_MEMORY,
     REFUSED,
+    ApplyDelta,
     BeginUpdate,
     CheckWeights,
     Command,
+    DeltaChecksums,
     EndUpdate,
     FlushCache,
     Generate,
@@ -205,6 +207,7 @@ class RankRuntime:
                 # post_load derives MLA's w_kc / w_vc beside the parameters, never in them.
                 post_load_writes_params=False,
                 weight_version=config.weight_version,
+                delta_region_bytes=config.delta_region_mb * MIB,
             )
         except BaseException:
             transport.close()
@@ -251,6 +254,7 @@ class RankRuntime:
             dtype=dtype_name(self.model.dtype),
             regions=[list(region) for region in self.agent.regions],
             scratch_region=list(self.scratch_region) if self.scratch_region else None,
+            delta_region=list(self.agent.delta_region) if self.agent.delta_region else None,
         )
 
     def execute(self, command: Command) -> RankReply:
@@ -333,6 +337,10 @@ class RankRuntime:
                     allow_quant_error=command.allow_quant_error,
                     skip_tensor_list=command.skip_tensor_list,
                 )
+            case DeltaChecksums():
+                return self.agent.delta_checksums()
+            case ApplyDelta(payloads=payloads, expected=expected):
+                return self.agent.apply_delta(payloads[self.tp_rank], expected[self.tp_rank])
             case FlushCache(empty_device_cache=empty_device_cache):
                 # The engine keeps no prefix cache across requests (each request's KV cache
                 # is its own); what remains is returning cached allocator memory. No

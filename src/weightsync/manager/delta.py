@@ -1,0 +1,371 @@
+"""Delta syncs on the driver: which replicas take a delta, applying it, and the bases kept.
+
+A replica takes a delta only against bytes it is proven to hold. The driver keeps, per
+replica, the checksums (`weightsync.delta_codec`) of every parameter of every rank as they
+stood after the replica's last verified sync, and which push of the trainers' delta
+reference that was (`DeltaBase`). At the next update the replica reports its checksums
+after its session began; it takes a delta when they all equal the kept ones and the kept
+push is the one the trainers' reference holds, and full bytes otherwise (a new replica, one
+that missed or failed a sync, a restart, a checker reset, bytes written outside a session,
+post-load processing that rewrote a published parameter). The first sync is always full.
+
+After the push, a delta replica applies its payloads and checks that each changed
+parameter's checksum became base + change; a full replica reports its checksums. Both are
+taken before the session ends, that is before post-load processing, so that a base always
+means "the bytes the trainers pushed". The replicas verified at the end keep their new
+checksums as their base; every other replica of the update loses its base.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from weightsync.control.protocol import WEIGHT_SYNC_DELTA
+from weightsync.manager.lifecycle import settled
+from weightsync.manager.replicas import ReplicaSet
+from weightsync.manager.update import OpenUpdate, PushResult
+from weightsync.plan import TargetRank
+from weightsync.sender import wrap_int64
+
+logger = logging.getLogger(__name__)
+
+RankChecksums = Mapping[int, Mapping[str, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaBase:
+    """What a replica verifiably holds: the push it got, and its checksums after it.
+
+    Attributes:
+        token: the trainers' reference push the bytes are.
+        checksums: per rank, ``{param_name: checksum}`` of every parameter.
+    """
+
+    token: int
+    checksums: RankChecksums
+
+
+@dataclass(slots=True, kw_only=True)
+class DeltaChoice:
+    """How one update writes each replica that can take deltas.
+
+    Attributes:
+        token: the label the trainers' reference gets from this update's push.
+        delta: replicas that take a delta, with the checksums they proved at begin.
+        full: replicas that can take deltas but take full bytes this time, with why.
+        after: per replica, its checksums after the push (before its session ended).
+    """
+
+    token: int
+    delta: dict[str, RankChecksums] = field(default_factory=dict)
+    full: dict[str, str] = field(default_factory=dict)
+    after: dict[str, RankChecksums] = field(default_factory=dict)
+
+    def sessions(self, targets: Sequence[TargetRank]) -> frozenset[str]:
+        """The session ids of the targets that take a delta."""
+        return frozenset(t.session_id for t in targets if t.replica in self.delta)
+
+    def mode(self, url: str) -> str:
+        """``"delta"`` or ``"full"`` for replica `url`."""
+        return "delta" if url in self.delta else "full"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetDelta:
+    """Every trainer rank's delta into one target, put together.
+
+    Attributes:
+        payloads: ``(offset, num_bytes)`` in the target's delta region, by source rank.
+        changes: ``{param_name: checksum change}`` summed over the source ranks.
+        num_elements: elements changed.
+        full_bytes: bytes a full push would have written to the target.
+        full_elements: elements a full push would have written to the target.
+    """
+
+    payloads: tuple[tuple[int, int], ...]
+    changes: Mapping[str, int]
+    num_elements: int
+    full_bytes: int
+    full_elements: int
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes put on the wire for the target."""
+        return sum(n for _, n in self.payloads)
+
+
+def target_deltas(result: PushResult) -> dict[str, TargetDelta]:
+    """Per target session id, what every source rank's delta push wrote there."""
+    out: dict[str, dict] = {}
+    for rank in sorted(result.deltas):
+        for session, write in result.deltas[rank].written.items():
+            entry = out.setdefault(
+                session,
+                {
+                    "payloads": [],
+                    "changes": {},
+                    "num_elements": 0,
+                    "full_bytes": 0,
+                    "full_elements": 0,
+                },
+            )
+            entry["payloads"].extend(write.payloads)
+            entry["num_elements"] += write.num_elements
+            entry["full_bytes"] += write.full_bytes
+            entry["full_elements"] += write.full_elements
+            for name, change in write.changes.items():
+                entry["changes"][name] = wrap_int64(entry["changes"].get(name, 0) + change)
+    return {
+        session: TargetDelta(
+            payloads=tuple(e["payloads"]),
+            changes=e["changes"],
+            num_elements=e["num_elements"],
+            full_bytes=e["full_bytes"],
+            full_elements=e["full_elements"],
+        )
+        for session, e in out.items()
+    }
+
+
+class DeltaSyncs:
+    """The driver's delta bases, and the calls that prove, apply and record them.
+
+    Call protocol, per update: `choose` once the sessions began (sets ``update.delta``),
+    push, `apply` once the bytes landed and before the sessions end, then `record` with
+    the replicas the update verified.
+
+    Args:
+        replicas: the manager's replicas (their clients and protocols).
+        timeout_s: the deadline of each call.
+    """
+
+    def __init__(self, replicas: ReplicaSet, *, timeout_s: float) -> None:
+        self._replicas = replicas
+        self._timeout_s = timeout_s
+        self._bases: dict[str, DeltaBase] = {}
+
+    def base(self, url: str) -> DeltaBase | None:
+        """What replica `url` is known to hold, if anything."""
+        return self._bases.get(url)
+
+    def forget(self, urls: Collection[str]) -> None:
+        """Drop the bases of `urls` (removed, or no longer known to hold them)."""
+        for url in urls:
+            self._bases.pop(url, None)
+
+    def capable(self, url: str, targets: Sequence[TargetRank]) -> bool:
+        """Whether replica `url` can take deltas: it serves them and every rank offers a
+        delta region."""
+        protocol = self._replicas.protocols.get(url)
+        ranks = [t for t in targets if t.replica == url]
+        return (
+            protocol is not None
+            and protocol.serves(WEIGHT_SYNC_DELTA)
+            and bool(ranks)
+            and all(t.delta_region is not None for t in ranks)
+        )
+
+    async def choose(self, update: OpenUpdate, *, token: int, reference: int | None) -> DeltaChoice:
+        """Decide, per replica of `update`, delta or full (see the module); sets and returns
+        ``update.delta``.
+
+        Args:
+            update: the open update.
+            token: the label this update's push gives the trainers' reference.
+            reference: the label of the push the trainers' reference holds now (None: it
+                holds none, so every replica takes full bytes).
+        """
+        choice = DeltaChoice(token=token)
+        update.delta = choice
+        capable = [u for u in update.replicas if self.capable(u, update.targets)]
+        provable = []
+        for url in capable:
+            base = self._bases.get(url)
+            if reference is None:
+                choice.full[url] = "the trainers keep no delta reference yet (first sync)"
+            elif base is None:
+                choice.full[url] = "no verified base (new, or its last sync did not verify)"
+            elif base.token != reference:
+                choice.full[url] = "it missed the sync the trainers' reference holds"
+            else:
+                provable.append(url)
+        replies = await settled(self._checksums(update, url) for url in provable)
+        for url, reply in zip(provable, replies, strict=True):
+            if isinstance(reply, BaseException):
+                choice.full[url] = f"its checksums could not be read ({reply})"
+                continue
+            differs = _first_difference(self._bases[url].checksums, reply)
+            if differs is None:
+                choice.delta[url] = reply
+            else:
+                choice.full[url] = f"its weights are not its verified base ({differs})"
+        for url, why in choice.full.items():
+            logger.info("replica %s takes full bytes: %s", url, why)
+        return choice
+
+    async def _checksums(self, update: OpenUpdate, url: str) -> RankChecksums:
+        client = self._replicas.clients[url]
+        return await client.delta_checksums(
+            session_token=update.sessions.tokens.get(url), timeout_s=self._timeout_s
+        )
+
+    async def apply(
+        self, update: OpenUpdate, result: PushResult, live: Collection[str]
+    ) -> tuple[PushResult, dict[str, str]]:
+        """Apply the deltas on the `live` delta replicas (those whose writes all landed)
+        and read the `live` full replicas' checksums.
+
+        Returns:
+            `result` with ``delta_verified`` naming the replicas whose ranks verified their
+            delta, and ``{url: why}`` of the delta replicas that did not (their weights are
+            not what the trainers meant: they stay paused and dirty).
+        """
+        choice = update.delta
+        if choice is None:
+            return result, {}
+        deltas = target_deltas(result)
+        by_replica: dict[str, list[TargetRank]] = {}
+        for target in update.targets:
+            by_replica.setdefault(target.replica, []).append(target)
+        delta_urls = [u for u in choice.delta if u in by_replica and u in live]
+        full_urls = [u for u in choice.full if u in by_replica and u in live]
+
+        async def apply_one(url: str) -> RankChecksums:
+            ranks = {}
+            base = choice.delta[url]
+            for target in by_replica[url]:
+                written = deltas.get(target.session_id)
+                payloads = written.payloads if written is not None else ()
+                changes = written.changes if written is not None else {}
+                expected = {
+                    name: wrap_int64(base[target.rank][name] + change)
+                    for name, change in changes.items()
+                }
+                ranks[target.rank] = (payloads, expected)
+            client = self._replicas.clients[url]
+            replies = await client.apply_delta(
+                session_token=update.sessions.tokens.get(url),
+                ranks=ranks,
+                timeout_s=self._timeout_s,
+            )
+            return {rank: reply.checksums for rank, reply in replies.items()}
+
+        applied, read = await asyncio.gather(
+            settled(apply_one(u) for u in delta_urls),
+            settled(self._checksums(update, u) for u in full_urls),
+        )
+        failed: dict[str, str] = {}
+        verified = []
+        for url, reply in zip(delta_urls, applied, strict=True):
+            if isinstance(reply, BaseException):
+                failed[url] = f"its delta did not verify: {reply}"
+            else:
+                choice.after[url] = reply
+                verified.append(url)
+        for url, reply in zip(full_urls, read, strict=True):
+            if isinstance(reply, BaseException):
+                logger.warning("replica %s: no checksums after its full sync (%s)", url, reply)
+            else:
+                choice.after[url] = reply
+        return dataclasses.replace(result, delta_verified=frozenset(verified)), failed
+
+    def record(self, update: OpenUpdate, verified: Collection[str], reference: int | None) -> None:
+        """Keep the checksums of the replicas `verified` as their bases, labelled with the
+        push the trainers' reference now holds (`reference`, None: it holds none); every
+        other replica of `update` loses its base."""
+        choice = update.delta
+        for url in update.replicas:
+            after = choice.after.get(url) if choice is not None else None
+            if after is not None and url in verified and reference is not None:
+                self._bases[url] = DeltaBase(token=reference, checksums=after)
+            else:
+                self._bases.pop(url, None)
+
+
+def _first_difference(kept: RankChecksums, now: RankChecksums) -> str | None:
+    """Where `now` differs from `kept` (a rank or parameter), or None when equal."""
+    if set(kept) != set(now):
+        return f"ranks {sorted(now)} against {sorted(kept)}"
+    for rank in sorted(kept):
+        for name, value in kept[rank].items():
+            if now[rank].get(name) != value:
+                return f"rank {rank} parameter {name!r}"
+        extra = set(now[rank]) - set(kept[rank])
+        if extra:
+            return f"rank {rank} publishes {sorted(extra)[0]!r} beside its base"
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaWrite:
+    """How one sync wrote one replica, in a sync that keeps a delta reference.
+
+    Attributes:
+        mode: ``"delta"`` (only what changed) or ``"full"`` (every byte).
+        num_bytes: bytes put on the wire for it.
+        full_bytes: bytes a full write of it takes.
+        density: changed elements over all its elements (a delta's; None for a full write).
+        why_full: why it took full bytes (None for a delta).
+    """
+
+    mode: str
+    num_bytes: int
+    full_bytes: int
+    density: float | None = None
+    why_full: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-able form."""
+        return {
+            "mode": self.mode,
+            "bytes": self.num_bytes,
+            "full_bytes": self.full_bytes,
+            "density": self.density,
+            "why_full": self.why_full,
+        }
+
+
+def replica_writes(
+    update: OpenUpdate, result: PushResult, replicas: Collection[str]
+) -> dict[str, ReplicaWrite]:
+    """Per replica of `replicas`, how `update`'s push wrote it (empty without deltas)."""
+    choice = update.delta
+    if choice is None:
+        return {}
+    deltas = target_deltas(result)
+    full_per_replica: dict[str, int] = {}
+    for target in update.targets:
+        for stats in result.per_source.values():
+            full_per_replica[target.replica] = full_per_replica.get(
+                target.replica, 0
+            ) + stats.bytes_per_target.get(target.session_id, 0)
+    out = {}
+    for url in replicas:
+        sent = result.bytes_per_replica.get(url, 0)
+        if url in choice.delta:
+            mine = [
+                deltas[t.session_id]
+                for t in update.targets
+                if t.replica == url and t.session_id in deltas
+            ]
+            changed = sum(d.num_elements for d in mine)
+            elements = sum(d.full_elements for d in mine)
+            out[url] = ReplicaWrite(
+                mode="delta",
+                num_bytes=sent,
+                full_bytes=sum(d.full_bytes for d in mine),
+                density=changed / elements if elements else 0.0,
+            )
+        else:
+            why = choice.full.get(url, "it serves no delta syncs (or offers no delta region)")
+            out[url] = ReplicaWrite(
+                mode="full",
+                num_bytes=sent,
+                full_bytes=full_per_replica.get(url, sent),
+                why_full=why,
+            )
+    return out

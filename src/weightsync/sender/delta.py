@@ -1,0 +1,459 @@
+"""`DeltaPush`: one trainer rank's delta sync, from its export to its targets' delta regions.
+
+A delta push reads the export's stream once. Each tensor the plan reads is cast to the
+rollout's dtype and compared with its reference (`weightsync.sender.delta_reference`): the
+changed elements are found once per tensor, whatever the number of targets and layouts.
+Each layout then takes the changed elements that land in its parameters, by the plan's run
+tables (`weightsync.plan.delta`), as ``(parameter, element)`` pairs; at the end of the
+stream each layout's changes are laid out as one payload (`weightsync.delta_codec`),
+written to every delta target of that layout into this rank's slot of the target's delta
+region (the region split evenly over the trainer's ranks, so that sources never overlap).
+Beside each payload the push reports, per parameter, how the rank's writes move the
+parameter's checksum (`weightsync.delta_codec.checksum_change`), which the driver adds to
+the target's proven base to get the checksum the target must reach.
+
+A push with no delta target still records every tensor as the new reference, so that the
+next push can take deltas against it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from weightsync.delta_codec import Section, checksum_change, encode_payload
+from weightsync.export.base import WeightExport
+from weightsync.layout.dtypes import DTYPE_SIZES
+from weightsync.plan.delta import DeltaMap, DeltaTarget, delta_maps
+from weightsync.plan.items import SourcePlan
+from weightsync.plan.types import TargetRank
+from weightsync.plan.writes import WriteRun
+from weightsync.sender.delta_reference import Changes, DeltaReference
+from weightsync.sender.pins import PushPins
+from weightsync.sender.writes import WriteQueue
+from weightsync.torch_dtypes import torch_dtype
+from weightsync.transport.base import TransportCapabilities
+
+if TYPE_CHECKING:
+    from weightsync.transport import Transport
+
+_WRAP = 1 << 64
+
+
+def wrap_int64(value: int) -> int:
+    """`value` modulo 2**64 as a signed int64 (checksums and their changes add that way)."""
+    value %= _WRAP
+    return value - _WRAP if value >= 1 << 63 else value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeltaWrite:
+    """What one trainer rank wrote into one target's delta region.
+
+    Attributes:
+        payloads: ``(offset, num_bytes)`` of each payload in the target's delta region, in
+            the order the target applies them.
+        num_elements: elements the payloads change.
+        full_bytes: bytes a full push of this rank's share would write to the target.
+        full_elements: elements of that full push.
+        changes: ``{param_name: change}`` of each parameter's checksum the payloads make
+            (`weightsync.delta_codec.checksum_change`, wrapped to int64).
+    """
+
+    payloads: tuple[tuple[int, int], ...]
+    num_elements: int
+    full_bytes: int
+    full_elements: int = 0
+    changes: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes put on the wire for the target."""
+        return sum(num_bytes for _, num_bytes in self.payloads)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeltaStats:
+    """What one rank's delta push did.
+
+    Attributes:
+        rank: the trainer rank.
+        written: per delta target session id, what was written there.
+        failed: per target session id whose writes failed, why (its other targets'
+            writes landed).
+        token: the reference now holds the push labelled `token` (every tensor encoded);
+            None when it does not.
+        num_elements: elements of the tensors read (the bf16 elements a full push moves,
+            once per layout aside).
+        num_changed: elements that changed since the reference.
+        reference_bytes: bytes the reference keeps.
+        encode_seconds: reading, comparing and mapping the tensors.
+        write_seconds: laying out the payloads and writing them.
+        seconds: the whole push.
+    """
+
+    rank: int
+    written: Mapping[str, DeltaWrite] = field(default_factory=dict)
+    failed: Mapping[str, str] = field(default_factory=dict)
+    token: int | None = None
+    num_elements: int = 0
+    num_changed: int = 0
+    reference_bytes: int = 0
+    encode_seconds: float = 0.0
+    write_seconds: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def density(self) -> float:
+        """Changed elements over elements read (0 for a push that read nothing)."""
+        return self.num_changed / self.num_elements if self.num_elements else 0.0
+
+
+class _Runs:
+    """A `DeltaTarget`'s runs as tensors: maps changed source elements to destinations."""
+
+    def __init__(self, target: DeltaTarget, device: torch.device) -> None:
+        src, dst, length = [], [], []
+        for family in target.families:
+            steps = torch.arange(family.count, dtype=torch.int64)
+            src.append(family.src_start + steps * family.src_step)
+            dst.append(family.dst_start + steps * family.dst_step)
+            length.append(torch.full((family.count,), family.length, dtype=torch.int64))
+        starts, order = torch.cat(src).sort()
+        self.starts = starts.to(device)
+        self.ends = (starts + torch.cat(length)[order]).to(device)
+        self.dsts = torch.cat(dst)[order].to(device)
+        self.low = int(starts[0])
+        self.high = int(self.ends.max())
+        self.single = len(target.families) == 1 and target.families[0].count == 1
+
+    def map(self, elements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions in elements, destination elements)`` of the `elements` (ascending)
+        these runs cover."""
+        bounds = torch.tensor([self.low, self.high], device=elements.device)
+        first, last = torch.searchsorted(elements, bounds).tolist()
+        span = elements[first:last]
+        if self.single:
+            positions = torch.arange(first, last, device=elements.device)
+            return positions, span - self.low + self.dsts[0]
+        run = torch.searchsorted(self.starts, span, right=True) - 1
+        inside = (span < self.ends[run]).nonzero().reshape(-1)
+        run = run[inside]
+        return inside + first, self.dsts[run] + span[inside] - self.starts[run]
+
+
+@dataclass(slots=True)
+class _Pieces:
+    """Changed elements one layout's parameter collects over the stream."""
+
+    elements: list[torch.Tensor] = field(default_factory=list)
+    new: list[torch.Tensor] = field(default_factory=list)
+    old: list[torch.Tensor] = field(default_factory=list)
+
+
+class DeltaPush:
+    """Runs delta pushes for one `WeightSender` (see the module).
+
+    Args:
+        transport: writes the payloads.
+        capabilities: the transport's, to place the payloads where it can read them.
+        rank: this rank in the trainer group.
+        world_size: ranks of the trainer group (the delta region's slots).
+        timeout_s: how long a batch of writes may take.
+        reference: the reference the pushes compare against and update.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        capabilities: TransportCapabilities,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        reference: DeltaReference,
+    ) -> None:
+        self._transport = transport
+        self._capabilities = capabilities
+        self.rank = rank
+        self.world_size = world_size
+        self.reference = reference
+        self._queue = WriteQueue(transport, timeout_s=timeout_s, max_outstanding_per_peer=64)
+        self._maps: tuple[SourcePlan | None, tuple[DeltaMap, ...]] = (None, ())
+        self._runs: dict[int, _Runs] = {}
+        self._buffer: torch.Tensor | None = None
+
+    def maps(self, plan: SourcePlan) -> tuple[DeltaMap, ...]:
+        """The delta maps of `plan` (one per part), kept while the plan is the same object."""
+        if self._maps[0] is not plan:
+            self._maps = (plan, delta_maps(plan))
+            self._runs = {}
+        return self._maps[1]
+
+    def can_encode(self, plan: SourcePlan) -> bool:
+        """Whether the reference holds every tensor `plan` reads (a delta can be encoded)."""
+        keys = {(m.dtype, name) for m in self.maps(plan) for name in m.tensors}
+        return self.reference.holds(keys)
+
+    def push(
+        self,
+        plan: SourcePlan,
+        export: WeightExport,
+        targets: Sequence[TargetRank],
+        *,
+        token: int,
+    ) -> DeltaStats:
+        """Encode `export` against the reference, write each delta target's share, and
+        make the export the new reference (labelled `token` once every tensor is read).
+
+        Args:
+            plan: this rank's whole source plan (the delta targets are among its targets).
+            export: the rank's export, as the full push reads it.
+            targets: the targets that take a delta (may be empty: the push then only
+                records the reference).
+            token: what the reference is labelled once complete.
+
+        Raises:
+            ValueError: a delta is asked for but the reference lacks a tensor (nothing is
+                written), or a target offers no delta region.
+            TensorChangedError: a tensor changed while the push read it.
+        """
+        start = time.perf_counter()
+        maps = self.maps(plan)
+        sessions = {t.session_id for t in targets}
+        for target in targets:
+            if target.delta_region is None:
+                raise ValueError(
+                    f"{target.label} offers no delta region; it can only take a full sync"
+                )
+        if targets and not self.can_encode(plan):
+            raise ValueError(
+                f"trainer rank {self.rank} has no complete delta reference for this plan: "
+                "its last push did not record every tensor; every target needs a full sync"
+            )
+        self.reference.invalidate()
+        wanted = {
+            (index, layout_id)
+            for index, delta_map in enumerate(maps)
+            for layout_id, ranks in _part(plan, index).targets.items()
+            if any(t.session_id in sessions for t in ranks)
+        }
+        by_name = {name: index for index, m in enumerate(maps) for name in m.tensors}
+        pieces: dict[tuple[int, int, str], _Pieces] = {}
+        pins = PushPins(self.rank)
+        names: list[str] = []
+        taken, versions = pins.stream(names)
+        num_elements = num_changed = 0
+        for hf_name, tensor in export:
+            index = by_name.get(hf_name)
+            if index is None:
+                continue
+            names.append(hf_name)
+            taken.append(tensor)
+            versions.append(tensor._version)
+            delta_map = maps[index]
+            cast = tensor.to(torch_dtype(delta_map.dtype))
+            num_elements += cast.numel()
+            if not wanted:
+                self.reference.record(delta_map.dtype, hf_name, cast)
+                continue
+            changes = self.reference.encode(delta_map.dtype, hf_name, cast)
+            num_changed += changes.elements.numel()
+            self._collect(index, delta_map, hf_name, changes, wanted, pieces)
+        encoded = time.perf_counter()
+        missing = by_name.keys() - set(names)
+        if missing:
+            raise ValueError(
+                f"trainer rank {self.rank}: the export yielded no {sorted(missing)[:3]} "
+                f"({len(missing)} tensors the plan reads); nothing of the delta was written"
+            )
+        pins.check(until="the delta push encoding it")
+        self.reference.complete(token)
+        written, failed = self._write(plan, maps, targets, pieces) if targets else ({}, {})
+        end = time.perf_counter()
+        return DeltaStats(
+            rank=self.rank,
+            written=written,
+            failed=failed,
+            token=token,
+            num_elements=num_elements,
+            num_changed=num_changed,
+            reference_bytes=self.reference.num_bytes,
+            encode_seconds=encoded - start,
+            write_seconds=end - encoded,
+            seconds=end - start,
+        )
+
+    def _collect(
+        self,
+        index: int,
+        delta_map: DeltaMap,
+        hf_name: str,
+        changes: Changes,
+        wanted: set[tuple[int, int]],
+        pieces: dict[tuple[int, int, str], _Pieces],
+    ) -> None:
+        """File `changes` of one tensor under each wanted layout's parameters."""
+        if not changes.elements.numel():
+            return
+        for target in delta_map.tensors[hf_name]:
+            if (index, target.layout_id) not in wanted:
+                continue
+            runs = self._runs.get(id(target))
+            if runs is None:
+                runs = self._runs[id(target)] = _Runs(target, changes.elements.device)
+            positions, elements = runs.map(changes.elements)
+            if not positions.numel():
+                continue
+            piece = pieces.setdefault((index, target.layout_id, target.param_name), _Pieces())
+            piece.elements.append(elements)
+            piece.new.append(changes.new[positions])
+            piece.old.append(changes.old[positions])
+
+    def _write(
+        self,
+        plan: SourcePlan,
+        maps: tuple[DeltaMap, ...],
+        targets: Sequence[TargetRank],
+        pieces: dict[tuple[int, int, str], _Pieces],
+    ) -> tuple[dict[str, DeltaWrite], dict[str, str]]:
+        """Lay out each wanted layout's payload and write it to its delta targets."""
+        sessions = {t.session_id: t for t in targets}
+        payloads: list[tuple[list[TargetRank], torch.Tensor]] = []
+        per_target: dict[str, dict] = {
+            s: {
+                "payloads": [],
+                "num_elements": 0,
+                "full_bytes": 0,
+                "full_elements": 0,
+                "changes": {},
+            }
+            for s in sessions
+        }
+        for index in range(len(maps)):
+            part = _part(plan, index)
+            full = _full_bytes(part)
+            element_size = DTYPE_SIZES[part.dtype]
+            for layout_id, ranks in part.targets.items():
+                mine = [t for t in ranks if t.session_id in sessions]
+                if not mine:
+                    continue
+                sections, changes, count = self._sections(index, layout_id, mine[0], pieces)
+                for target in mine:
+                    record = per_target[target.session_id]
+                    record["full_bytes"] += full.get(layout_id, 0)
+                    record["full_elements"] += full.get(layout_id, 0) // element_size
+                    if sections:
+                        record["num_elements"] += count
+                        for name, change in changes.items():
+                            record["changes"][name] = wrap_int64(
+                                record["changes"].get(name, 0) + change
+                            )
+                if sections:
+                    payloads.append((mine, encode_payload(sections, "cpu")))
+        buffer, places = self._stage([payload for _, payload in payloads])
+        failed: dict[str, str] = {}
+        used: dict[str, int] = dict.fromkeys(sessions, 0)
+        self._queue.start()
+        for (mine, payload), place in zip(payloads, places, strict=True):
+            for target in mine:
+                addr, region_bytes = target.delta_region  # type: ignore[misc]
+                slot_bytes = region_bytes // self.world_size // 8 * 8
+                offset = self.rank * slot_bytes + used[target.session_id]
+                if used[target.session_id] + payload.numel() > slot_bytes:
+                    failed[target.session_id] = (
+                        f"{target.label}: the delta ({used[target.session_id] + payload.numel()}"
+                        f" bytes from trainer rank {self.rank}) does not fit its slot of the "
+                        f"delta region ({slot_bytes} bytes of {region_bytes}, split over "
+                        f"{self.world_size} trainer ranks); it needs a full sync, or a larger "
+                        "region (weightsync serve --delta-region-mb)"
+                    )
+                    continue
+                used[target.session_id] += payload.numel()
+                per_target[target.session_id]["payloads"].append((offset, payload.numel()))
+                run = WriteRun(place, addr + offset, payload.numel(), "(delta payload)")
+                self._queue.submit(target, [run], ring_base=buffer.data_ptr(), slot=0)
+        self._queue.wait_all()
+        for session, error in self._queue.failed.items():
+            failed.setdefault(session, str(error))
+        written = {
+            s: DeltaWrite(
+                payloads=tuple(r["payloads"]),
+                num_elements=r["num_elements"],
+                full_bytes=r["full_bytes"],
+                full_elements=r["full_elements"],
+                changes=r["changes"],
+            )
+            for s, r in per_target.items()
+            if s not in failed
+        }
+        return written, failed
+
+    def _sections(
+        self,
+        index: int,
+        layout_id: int,
+        target: TargetRank,
+        pieces: dict[tuple[int, int, str], _Pieces],
+    ) -> tuple[list[Section], dict[str, int], int]:
+        """One layout's sections, its checksum changes by parameter, its element count."""
+        order = {name: i for i, name in enumerate(sorted(target.weights_info))}
+        sections, names, moves = [], [], []
+        count = 0
+        for (part, layout, param_name), piece in sorted(pieces.items()):
+            if (part, layout) != (index, layout_id):
+                continue
+            if param_name not in order:
+                raise ValueError(f"{target.label} publishes no parameter {param_name!r}")
+            elements = torch.cat(piece.elements)
+            new = torch.cat(piece.new)
+            old = torch.cat(piece.old)
+            numel = target.weights_info[param_name][1]
+            sections.append(Section(param_index=order[param_name], elements=elements, values=new))
+            names.append(param_name)
+            moves.append(checksum_change(elements, old, new, numel=numel).cpu())
+            count += elements.numel()
+        changes = dict(zip(names, torch.stack(moves).tolist(), strict=True)) if moves else {}
+        return sections, changes, count
+
+    def _stage(self, payloads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """Copy `payloads` into registered memory the transport reads; their offsets there."""
+        places, total = [], 0
+        for payload in payloads:
+            places.append(total)
+            total += payload.numel()
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < total:
+            if buffer is not None:
+                self._transport.unregister(buffer.data_ptr())
+            size = max(total, 1 << 20)
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._transport.register(buffer.data_ptr(), buffer.numel())
+            self._buffer = buffer
+        for payload, place in zip(payloads, places, strict=True):
+            buffer[place : place + payload.numel()].copy_(payload)
+        return buffer, places
+
+    def release(self) -> None:
+        """Unregister and free the payload buffer (the reference stays)."""
+        if self._buffer is not None:
+            self._queue.drain()
+            self._transport.unregister(self._buffer.data_ptr())
+            self._buffer = None
+
+
+def _part(plan: SourcePlan, index: int) -> SourcePlan:
+    return plan.parts[index] if plan.parts else plan
+
+
+def _full_bytes(plan: SourcePlan) -> dict[int, int]:
+    """Bytes a full push of `plan` writes to one target of each layout."""
+    out: dict[int, int] = {}
+    for works in plan.work.values():
+        for work in works:
+            out[work.layout_id] = out.get(work.layout_id, 0) + work.num_bytes
+    return out
