@@ -60,6 +60,7 @@ def _delta_row(step: int, step_s: float, delta: dict, full: dict) -> dict[str, A
         "step": step,
         "optimizer_s": step_s,
         "modes": modes,
+        "why_full": sorted({w["why_full"] for w in writes.values() if w["why_full"]}),
         "bytes": sent,
         "full_bytes": full_bytes,
         "bytes_fraction": sent / full_bytes if full_bytes else None,
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
             urls=tuple(r.url for r in replicas),
             api_key=api_key,
             world_size=args.trainer_ranks,
+            pp_size=args.trainer_pp,
             rollout_dtype=dtype,
             trainer_dtype="float32",
             seed=args.seed,
@@ -117,6 +119,8 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
                     f"step {step}: delta {row['delta_s']:.3f} s ({row['bytes'] / 1e6:.1f} MB, "
                     f"{row['modes']}), full {row['full_s']:.3f} s; bit-exact"
                 )
+                for why in row["why_full"]:
+                    log(f"  full bytes because {why}")
             # Encoding reads the new bytes and the reference: memcpy over both, per rank.
             per_rank = 2 * rollout_bytes // args.trainer_ranks
             ceiling = HostCeiling(per_rank)
@@ -195,6 +199,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--rollout-tp", type=int, default=2)
     p.add_argument("--trainer-ranks", type=int, default=2)
+    p.add_argument(
+        "--trainer-pp",
+        type=int,
+        default=2,
+        help="pipeline stages over the trainer ranks (each rank keeps fp32 master weights and "
+        "AdamW's two moments for its stage: 2 stages halve that memory)",
+    )
     p.add_argument("--dtype", default="bf16", choices=ROLLOUT_DTYPE_CHOICES)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--steps", type=int, default=3)

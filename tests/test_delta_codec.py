@@ -145,3 +145,22 @@ def test_checksums_of_many_parameters_and_unaligned_views() -> None:
         "a": int(checksum_tensor(flat[1:50].clone())),
         "b": int(checksum_tensor(flat[50:].clone())),
     }
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+def test_the_host_and_device_checksum_changes_agree(dtype) -> None:
+    from weightsync.delta_codec import _device_change, _host_change, _weights
+
+    generator = torch.Generator().manual_seed(9)
+    numel = CHECK_ROW_WORDS * 8 + 13  # a grid and a tail
+    param = torch.randn(numel, generator=generator).to(dtype)
+    elements = torch.randperm(numel, generator=generator)[: numel // 3]
+    bits = as_bits(param)
+    new = torch.randint(-128, 127, (elements.numel(),), generator=generator).to(bits.dtype)
+    size = bits.element_size()
+    weights = _weights((numel * size + 7) // 8, torch.device("cpu"))
+    host = _host_change(elements, bits[elements], new, *weights)
+    device = int(_device_change(elements, bits[elements], new, *weights))
+    changed = bits.clone()
+    changed[elements] = new
+    assert host == device == int(checksum_tensor(changed) - checksum_tensor(param))

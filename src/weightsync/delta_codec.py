@@ -39,6 +39,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MAGIC = 0x57534445_4C544131  # "WSDELTA1"
@@ -48,6 +49,7 @@ SECTION_WORDS = 8
 BLOCK_ELEMENTS = 1 << 16  # a sparse block spans 65,536 elements: 16-bit offsets
 # Words (8 bytes) per row of the checksum's grid: rows and columns are both summed.
 CHECK_ROW_WORDS = 512
+_ROW_SHIFT = CHECK_ROW_WORDS.bit_length() - 1
 
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -404,16 +406,67 @@ def checksum_change(
         numel: the parameter's elements (its word grid depends on its size).
     """
     size = new.element_size()
+    rows, row_w, col_w, tail_w = _weights(_align(numel * size) // 8, elements.device)
+    if elements.device.type == "cpu":
+        return torch.tensor(_host_change(elements, old, new, rows, row_w, col_w, tail_w))
+    return _device_change(elements, old, new, rows, row_w, col_w, tail_w)
+
+
+def _device_change(
+    elements: torch.Tensor,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    rows: int,
+    row_w: torch.Tensor,
+    col_w: torch.Tensor,
+    tail_w: torch.Tensor,
+) -> torch.Tensor:
+    """`checksum_change` with torch ops, on the elements' device (no host sync)."""
+    size = new.element_size()
     mask = (1 << (8 * size)) - 1 if size < 8 else -1
     diff = (new.to(torch.int64) & mask) - (old.to(torch.int64) & mask)
     byte = elements * size
     word = byte >> 3
     diff = diff * (torch.ones_like(byte) << ((byte & 7) * 8))
-    rows, row_w, col_w, tail_w = _weights(_align(numel * size) // 8, elements.device)
     grid_words = rows * CHECK_ROW_WORDS
     in_grid = word < grid_words
     weight = torch.empty_like(word)
     grid = word[in_grid]
-    weight[in_grid] = row_w[grid // CHECK_ROW_WORDS] + col_w[grid % CHECK_ROW_WORDS]
+    weight[in_grid] = row_w[grid >> _ROW_SHIFT] + col_w[grid & (CHECK_ROW_WORDS - 1)]
     weight[~in_grid] = tail_w[word[~in_grid] - grid_words]
     return (diff * weight).sum()
+
+
+def _host_change(
+    elements: torch.Tensor,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    rows: int,
+    row_w: torch.Tensor,
+    col_w: torch.Tensor,
+    tail_w: torch.Tensor,
+) -> int:
+    """`checksum_change` on the host, with numpy (its int64 arithmetic wraps as torch's
+    does, in fewer passes)."""
+    size = new.element_size()
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+    diff = new.numpy().view(unsigned).astype(np.int64)
+    diff -= old.numpy().view(unsigned).astype(np.int64)
+    byte = elements.numpy() * size
+    word = byte >> 3
+    if size < 8:
+        diff <<= (byte & 7) << 3
+    grid_words = rows * CHECK_ROW_WORDS
+    if not len(word) or int(word.max()) < grid_words:
+        weight = row_w.numpy()[word >> _ROW_SHIFT]
+        weight += col_w.numpy()[word & (CHECK_ROW_WORDS - 1)]
+    else:
+        in_grid = word < grid_words
+        weight = np.empty_like(word)
+        grid = word[in_grid]
+        weight[in_grid] = (
+            row_w.numpy()[grid >> _ROW_SHIFT] + col_w.numpy()[grid & (CHECK_ROW_WORDS - 1)]
+        )
+        weight[~in_grid] = tail_w.numpy()[word[~in_grid] - grid_words]
+    diff *= weight
+    return int(diff.sum(dtype=np.int64))

@@ -256,12 +256,13 @@ class DeltaPush:
             taken.append(tensor)
             versions.append(tensor._version)
             delta_map = maps[index]
-            cast = tensor.to(torch_dtype(delta_map.dtype))
-            num_elements += cast.numel()
+            num_elements += tensor.numel()
             if not wanted:
-                self.reference.record(delta_map.dtype, hf_name, cast)
+                self.reference.record(
+                    delta_map.dtype, hf_name, tensor.to(torch_dtype(delta_map.dtype))
+                )
                 continue
-            changes = self.reference.encode(delta_map.dtype, hf_name, cast)
+            changes = self.reference.encode(delta_map.dtype, hf_name, tensor)
             num_changed += changes.elements.numel()
             self._collect(index, delta_map, hf_name, changes, wanted, pieces)
         encoded = time.perf_counter()

@@ -124,7 +124,7 @@ def _syncs(spec: TrainerSpec, group: Any, rank: int) -> dict[str, Any]:
                 bucket_bytes=spec.bucket_bytes,
                 num_workers=spec.num_workers,
                 timeout_s=spec.timeout_s,
-                digest=method == "p2p",
+                digest=method != "p2p-nodigest",
                 direct=spec.direct,
             ),
             control=ws.ControlConfig(api_key=spec.api_key, http_timeout_s=600.0),
@@ -238,7 +238,8 @@ def trainer_main(
 
 class _Steps:
     """AdamW steps on a rank's exported weights, in place, with Gaussian gradients (the
-    weights' storage stays where the export has it, so the syncs see each step)."""
+    weights' storage stays where the export has it, so the syncs see each step). One
+    optimizer per tensor, stepped in turn, so that only one gradient exists at a time."""
 
     def __init__(self, export: Any, lr: float, *, seed: int) -> None:
         import torch
@@ -252,19 +253,21 @@ class _Steps:
                 seen.add(id(base))
                 tensors.append(base)
         self._params = [torch.nn.Parameter(t, requires_grad=True) for t in tensors]
-        self._optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=0.0)
+        self._optimizers = [
+            torch.optim.AdamW([p], lr=lr, weight_decay=0.0, foreach=False) for p in self._params
+        ]
         self._generator = torch.Generator(device=tensors[0].device).manual_seed(seed)
 
     def step(self) -> float:
         """One step; its seconds."""
         torch = self._torch
         start = time.perf_counter()
-        for param in self._params:
+        for param, optimizer in zip(self._params, self._optimizers, strict=True):
             param.grad = torch.randn(
                 param.shape, generator=self._generator, device=param.device, dtype=param.dtype
             ).mul_(1e-3)
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            param.grad = None
         return time.perf_counter() - start
 
 
