@@ -1,0 +1,174 @@
+"""The device work of a delta sync against a same-device copy of the same bytes, in one run.
+
+A delta sync reads the new weights and the sender's reference to find what changed
+(`weightsync.sender.delta_reference`), lays the changes out (`weightsync.delta_codec`),
+and the rollout rank checksums its parameters before, applies the payload in place, and
+checksums them after. This times each of those on one device over ``--gb`` of bf16 weights
+(tensors of ``--tensor-mb``) whose elements changed at ``--density`` (a random subset, new
+bits differing from the old), beside a copy of the same bytes on the same device (what a
+full colocated sync's writes cost at best). Every apply is checked bit for bit.
+
+Prints a table and one JSON line.
+
+    python bench/delta_kernels.py --device cuda --gb 8.6        # one H200
+    python bench/delta_kernels.py --gb 0.5                      # the host
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import median, print_table
+from weightsync.delta_codec import (
+    Section,
+    apply_payload,
+    as_bits,
+    checksum_change,
+    checksum_tensor,
+    encode_payload,
+)
+from weightsync.sender.delta_reference import DeltaReference
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, work) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    work()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _encode(reference: DeltaReference, weights: list[torch.Tensor]) -> list:
+    """Every tensor's changes against the reference (which then holds it)."""
+    return [reference.encode("bfloat16", str(i), w) for i, w in enumerate(weights)]
+
+
+def _lay_out(found: list, numel: int, device: torch.device) -> torch.Tensor:
+    """One rank's payload of `found` (one parameter per tensor), with its checksum changes."""
+    sections = [
+        Section(param_index=i, elements=c.elements, values=c.new) for i, c in enumerate(found)
+    ]
+    torch.stack([checksum_change(c.elements, c.old, c.new, numel=numel) for c in found])
+    return encode_payload(sections, device)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the weights, change them, and time every step `args.repeats` times."""
+    device = torch.device(args.device)
+    numel = args.tensor_mb * (1 << 20) // 2
+    count = max(1, round(args.gb * 1e9 / (numel * 2)))
+    generator = torch.Generator(device=device).manual_seed(0)
+    weights = [
+        torch.randn(numel, generator=generator, device=device).to(torch.bfloat16)
+        for _ in range(count)
+    ]
+    params = [w.clone() for w in weights]  # the rollout rank's parameters
+    copies = [torch.empty_like(w) for w in weights]
+    reference = DeltaReference("device")
+    for index, weight in enumerate(weights):
+        reference.record("bfloat16", str(index), weight)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("copy", "encode", "layout", "apply", "checksum")
+    }
+    num_bytes = count * numel * 2
+    changed = 0
+    for _ in range(args.repeats):
+        for weight in weights:
+            mask = torch.rand(numel, generator=generator, device=device) < args.density
+            bits = as_bits(weight)
+            bits[mask] = bits[mask] ^ 1  # the last mantissa bit: a bf16 rounding step
+        times["copy"].append(
+            _timed(device, lambda: [c.copy_(w) for c, w in zip(copies, weights, strict=True)])
+        )
+        found: list = []
+        times["encode"].append(
+            _timed(device, lambda f=found: f.extend(_encode(reference, weights)))
+        )
+        laid: list = []
+        times["layout"].append(
+            _timed(device, lambda f=found, o=laid: o.append(_lay_out(f, numel, device)))
+        )
+        payload = laid[0]
+        times["apply"].append(_timed(device, lambda p=payload: apply_payload(p, params)))
+        times["checksum"].append(
+            _timed(device, lambda: torch.stack([checksum_tensor(p) for p in params]).cpu())
+        )
+        changed = sum(c.elements.numel() for c in found)
+        for param, weight in zip(params, weights, strict=True):
+            if not torch.equal(as_bits(param), as_bits(weight)):
+                raise RuntimeError("an applied delta differs from the new weights")
+    medians = {k: median(v) for k, v in times.items()}
+    return {
+        "bench": "delta_kernels",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "bytes": num_bytes,
+        "density": changed / (count * numel),
+        "payload_bytes": int(payload.numel()),
+        "seconds": medians,
+        "copy_gbps": num_bytes / medians["copy"] / 1e9,
+        # Encoding reads the new bytes and the reference: twice the bytes a copy reads.
+        "encode_read_gbps": 2 * num_bytes / medians["encode"] / 1e9,
+        "encode_of_copy_rate": (2 * num_bytes / medians["encode"]) / (num_bytes / medians["copy"]),
+        "apply_of_copy": medians["apply"] / medians["copy"],
+        "checksum_gbps": num_bytes / medians["checksum"] / 1e9,
+        "bit_exact": True,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run and print; exit 0 when every apply was bit-exact."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--gb", type=float, default=0.5)
+    p.add_argument("--tensor-mb", type=int, default=128)
+    p.add_argument("--density", type=float, default=0.02)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    result = run(args)
+    seconds = result["seconds"]
+    rows = [
+        ["same-device copy", f"{seconds['copy'] * 1e3:.2f}", f"{result['copy_gbps']:.0f} GB/s"],
+        [
+            "encode (read new + reference)",
+            f"{seconds['encode'] * 1e3:.2f}",
+            f"{result['encode_read_gbps']:.0f} GB/s read, "
+            f"{result['encode_of_copy_rate']:.0%} of the copy's rate",
+        ],
+        ["lay out + checksum change", f"{seconds['layout'] * 1e3:.2f}", ""],
+        [
+            "apply on the rank",
+            f"{seconds['apply'] * 1e3:.2f}",
+            f"{result['apply_of_copy']:.0%} of the copy",
+        ],
+        [
+            "checksum every parameter",
+            f"{seconds['checksum'] * 1e3:.2f}",
+            f"{result['checksum_gbps']:.0f} GB/s",
+        ],
+    ]
+    print_table(
+        f"{result['device']}: {result['bytes'] / 1e9:.2f} GB bf16, "
+        f"density {result['density']:.2%}, payload {result['payload_bytes'] / 1e6:.1f} MB",
+        ["step", "ms", "rate"],
+        rows,
+    )
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
