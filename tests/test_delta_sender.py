@@ -328,3 +328,10 @@ def test_a_failed_write_fails_that_target_and_keeps_the_reference() -> None:
     stats = pusher.push(plan.for_source(0), TensorsExport(state), [a.target, b.target], token=2)
     assert set(stats.failed) == {a.target.session_id}
     assert set(stats.written) == {b.target.session_id}
+
+
+def test_delta_pushes_into_a_layout_of_two_dtypes() -> None:
+    # DeepSeek-V3 keeps its router bias in float32 beside bf16 weights: a plan of two parts,
+    # whose targets each publish one dtype's parameters; payloads number every parameter.
+    deepseek = preset_config("tiny-deepseek", num_hidden_layers=2)
+    _sync_rounds(deepseek, [(2, 2), (1, 1)], rounds=2)

@@ -43,10 +43,50 @@ def test_demo_json_default_shape():
     for sync in syncs:
         assert set(sync) >= {"version", "bytes", "seconds", "gbps"}
         assert sync["bytes"] > 0 and sync["seconds"] > 0 and sync["gbps"] > 0
+        assert (sync["mode"], sync["writes"], sync["density"]) == ("full", {}, None)
+    assert (result["delta"], result["lr"]) == (False, 2e-3)
     # Quiet by default: no native log line, and where Mooncake listens said once (by trainer
     # rank 0, not by both ranks).
     assert not NATIVE_LINE.search(stderr) and "InitGoogleLogging" not in stderr, stderr
     assert stderr.count("listens on every interface") == 1, stderr
+
+
+def test_demo_delta_writes_only_what_changed_after_the_first_sync():
+    code, result, stderr = _demo("--delta", "--steps", "2")
+    assert code == 0, stderr[-3000:]
+    assert result["ok"] is True and result["delta"] is True and result["lr"] == 1e-6
+    assert result["bit_exact"] is True and result["generation_match"] is True
+    first, *later = result["syncs"]
+    assert [s["version"] for s in result["syncs"]] == ["1", "2", "3"]
+    assert first["mode"] == "full" and first["bytes"] == first["full_bytes"]
+    assert {w["mode"] for w in first["writes"].values()} == {"full"}
+    assert len(first["writes"]) == 2 and first["density"] is None
+    for sync in later:
+        assert sync["mode"] == "delta", sync["writes"]
+        assert {w["mode"] for w in sync["writes"].values()} == {"delta"}
+        assert 0 < sync["density"] < 0.5
+        assert 0 < sync["bytes"] < sync["full_bytes"] == first["full_bytes"]
+    for sync in result["syncs"]:
+        assert sync["bit_exact"] is True and sync["generation_match"] is True, sync
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "why"),
+    [
+        (("--delta", "--dtype", "fp16"), "--delta", "bf16"),
+        (("--delta", "--lr", "0"), "--lr", "positive"),
+    ],
+)
+def test_demo_refuses_delta_where_it_cannot_work(args, option, why):
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "500"},
+    )
+    assert proc.returncode == 2
+    assert option in proc.stderr and why in proc.stderr, proc.stderr
 
 
 def test_demo_verbose_shows_the_native_log_lines():

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from weightsync.checkpoint import load_config_dict
 from weightsync.cli.demo_trainer import (
     TRAINER_KINDS,
     TrainerArgs,
@@ -29,6 +30,7 @@ from weightsync.cli.demo_trainer import (
     run_trainer_rank,
 )
 from weightsync.cli.logs import configure_logging
+from weightsync.layout import ParallelismConfig, rank_layout
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.layout.families import family_for
 from weightsync.server.lifetime import ParentGoneError, exit_with_parent
@@ -46,6 +48,11 @@ _FP8_BLOCK = 128
 # The megatron-core constraints.txt pins; its metadata asks for Python >= 3.12 while its wheel
 # runs on 3.11, hence --ignore-requires-python.
 _MEGATRON_CORE = "megatron-core==0.19.2"
+# AdamW's learning rate: large enough that a few steps of random tokens move the greedy
+# tokens; with --delta an RL one, at which most updates vanish in the 16-bit rollout weights.
+_LR = 2e-3
+_DELTA_LR = 1e-6
+_MIB = 1 << 20
 
 
 def demo(
@@ -78,6 +85,22 @@ def demo(
         Path | None, typer.Option(help="Where to put the checkpoint and logs (kept).")
     ] = None,
     bucket_mb: Annotated[int, typer.Option(help="Sender bucket size in MiB.")] = 64,
+    delta: Annotated[
+        bool,
+        typer.Option(
+            "--delta",
+            help="Sync deltas after the first (full) sync: the replicas get a delta region of "
+            "1/8 of a rank's parameter bytes and the trainer writes only the elements that "
+            "changed.",
+        ),
+    ] = False,
+    lr: Annotated[
+        float | None,
+        typer.Option(
+            help=f"AdamW's learning rate; default {_DELTA_LR:g} with --delta (an RL one), "
+            f"{_LR:g} without."
+        ),
+    ] = None,
     verbose: Annotated[
         bool,
         typer.Option(
@@ -94,13 +117,18 @@ def demo(
     that takes real optimizer steps, and syncs after each step (plus once before the first).
     The trainer is transformers data parallel (``hf``), FSDP2 (``fsdp``: every rank writes
     its shards) or Megatron-core (``megatron``: every rank writes the TP / PP / EP slices it
-    holds; needs megatron-core: ``./scripts/setup --megatron`` in a checkout).
-    Exits non-zero if the first sync is not bit-exact or a replica's greedy generation ever
-    differs from the trainer model's. Killed, even with SIGKILL, it leaves no process behind:
-    the replicas and trainer ranks it starts stop when it dies.
+    holds; needs megatron-core: ``./scripts/setup --megatron`` in a checkout). With
+    ``--delta`` every sync after the first writes only the elements that changed (see "Delta
+    syncs" in docs/concepts.md), each replica checks every changed parameter whole, and the
+    trainer takes RL-sized steps (``--lr``).
+    Exits non-zero if the first sync is not bit-exact, a delta sync is not verified by every
+    replica, or a replica's greedy generation ever differs from the trainer model's. Killed,
+    even with SIGKILL, it leaves no process behind: the replicas and trainer ranks it starts
+    stop when it dies.
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
     _check_trainer(trainer, trainer_ranks, trainer_pp, trainer_tp, trainer_ep, model, rollout_fp8)
+    _check_delta(delta, lr, model, dtype)
     if rollout_fp8 and not family_for(preset_config(model)["model_type"]).deepseek_moe:
         raise typer.BadParameter(
             f"block FP8 is laid out for the DeepSeek-V3 family (e.g. tiny-deepseek), not {model}",
@@ -120,6 +148,8 @@ def demo(
         "rollout_tp": rollout_tp,
         "trainer_ranks": trainer_ranks,
         "trainer": trainer,
+        "delta": delta,
+        "lr": lr if lr is not None else (_DELTA_LR if delta else _LR),
         "syncs": [],
         "bit_exact": False,
         "generation_match": False,
@@ -139,6 +169,12 @@ def demo(
                 served = write_fp8_checkpoint(root / "checkpoint-fp8", checkpoint, block=_FP8_BLOCK)
             progress.update(task, advance=1, description=f"starting {replicas} replica(s)")
             api_key = secrets.token_hex(16)
+            region_mb = 0
+            if delta:
+                region_mb = _delta_region_mb(
+                    load_config_dict(served), tp=rollout_tp, ep=rollout_ep, dtype=dtype
+                )
+                result["delta_region_mb"] = region_mb
             started = start_replicas(
                 served,
                 num_replicas=replicas,
@@ -147,6 +183,7 @@ def demo(
                 dtype=dtype,
                 api_key=api_key,
                 log_dir=root / "logs",
+                delta_region_mb=region_mb,
             )
             progress.update(task, advance=1, description="trainer: first sync (bit-exact check)")
             args = TrainerArgs(
@@ -162,6 +199,8 @@ def demo(
                 prompts=_PROMPTS,
                 max_new_tokens=8,
                 transfer_timeout_s=30.0,
+                lr=result["lr"],
+                delta=delta,
                 trainer=trainer,
                 tp_size=trainer_tp,
                 ep_size=trainer_ep,
@@ -194,7 +233,11 @@ def demo(
             shutil.rmtree(root, ignore_errors=True)
 
     syncs = result["syncs"]
-    result["bit_exact"] = bool(syncs) and syncs[0].get("bit_exact") is True
+    result["bit_exact"] = (
+        bool(syncs)
+        and syncs[0]["bit_exact"] is True
+        and all(s["bit_exact"] is True for s in syncs if s["mode"] == "delta")
+    )
     result["generation_match"] = bool(syncs) and all(s["generation_match"] for s in syncs)
     result["ok"] = (
         failure is None
@@ -242,20 +285,10 @@ def _collect(
             continue
         if event["kind"] == "sync":
             report = event["report"]
-            entry = {
-                "version": report["version"],
-                "bytes": report["bytes"],
-                "seconds": report["seconds"],
-                "gbps": report["gbps"],
-                "num_writes": report["num_writes"],
-                "phases": report["phases"],
-                "bit_exact": report["bit_exact"],
-                "generation_match": event["generation_match"],
-                "loss": event["loss"],
-            }
+            entry = _sync_entry(report, event)
             result["syncs"].append(entry)
             if not as_json:
-                console.print(_sync_table(entry, event["step"]))
+                console.print(_sync_table(entry, event["step"], delta=result["delta"]))
             if not event["generation_match"]:
                 failure = failure or (
                     f"generation mismatch after sync {report['version']}: trainer "
@@ -270,7 +303,42 @@ def _collect(
     return failure
 
 
-def _sync_table(entry: dict[str, Any], step: int) -> Table:
+def _sync_entry(report: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    """One sync's line of the demo's result, from the trainer's event and its report.
+
+    ``mode`` is ``"full"`` or ``"delta"`` when every replica was written the same way, else
+    ``"mixed"`` (``writes`` has each replica's); ``bytes`` are the bytes put on the wire,
+    ``full_bytes`` those a full sync writes; ``density`` is the largest share of elements a
+    delta changed in a replica (None without one). ``bit_exact`` is the built-in check's
+    result for the first sync and, for a sync that wrote every replica a delta, whether every
+    replica verified it (each checks that every changed parameter, whole, went from its
+    proven base to base + change); None otherwise.
+    """
+    writes = report["writes"]
+    modes = {w["mode"] for w in writes.values()} or {"full"}
+    mode = modes.pop() if len(modes) == 1 else "mixed"
+    densities = [w["density"] for w in writes.values() if w["mode"] == "delta"]
+    bit_exact = report["bit_exact"]
+    if bit_exact is None and mode == "delta":
+        bit_exact = set(writes) <= set(report["verified"])
+    return {
+        "version": report["version"],
+        "mode": mode,
+        "bytes": report["bytes"],
+        "full_bytes": sum(w["full_bytes"] for w in writes.values()) if writes else report["bytes"],
+        "density": max(densities) if densities else None,
+        "writes": writes,
+        "seconds": report["seconds"],
+        "gbps": report["gbps"],
+        "num_writes": report["num_writes"],
+        "phases": report["phases"],
+        "bit_exact": bit_exact,
+        "generation_match": event["generation_match"],
+        "loss": event["loss"],
+    }
+
+
+def _sync_table(entry: dict[str, Any], step: int, *, delta: bool) -> Table:
     phases = entry["phases"]
     table = Table(
         title=f"sync {entry['version']} (after step {step}); phases in seconds",
@@ -278,11 +346,17 @@ def _sync_table(entry: dict[str, Any], step: int) -> Table:
         box=box.SIMPLE_HEAD,
         padding=(0, 0),
     )
-    for column in ("MiB", "s", "GB/s", "writes", "pause", "meta", "push", "final",
-                   "resume", "exact", "gen"):  # fmt: skip
-        table.add_column(column, justify="right")
+    columns = ("MiB", "s", "GB/s", "writes", "pause", "meta", "push", "final", "resume",
+               "exact", "gen")  # fmt: skip
+    if delta:
+        columns = ("mode", "changed", *columns)
+    for column in columns:
+        # "delta" and "full" in columns of one width keep the syncs' tables aligned.
+        table.add_column(column, justify="right", min_width=5 if column == "mode" else None)
     bit_exact = entry["bit_exact"]
+    density = entry["density"]
     table.add_row(
+        *((entry["mode"], "-" if density is None else f"{density:.2%}") if delta else ()),
         f"{entry['bytes'] / 2**20:.2f}",
         f"{entry['seconds']:.3f}",
         f"{entry['gbps']:.3f}",
@@ -303,6 +377,14 @@ def _print_summary(
             f"replica(s) at tp={result['rollout_tp']}, first sync bit-exact, generation equal "
             "after every sync"
         )
+        deltas = [s for s in result["syncs"] if s["mode"] == "delta"]
+        if deltas:
+            sent = sum(s["bytes"] for s in deltas) / 2**20
+            full = sum(s["full_bytes"] for s in deltas) / 2**20
+            console.print(
+                f"deltas: {len(deltas)} syncs wrote {sent:.2f} MiB of {full:.2f} MiB full "
+                f"(lr {result['lr']:g}), each verified by every replica"
+            )
     else:
         console.print(f"demo failed: {failure or 'checks did not pass'}", style="red", markup=False)
         console.print(f"checkpoint and logs kept in {root}")
@@ -392,6 +474,45 @@ def _check_trainer(
             bad("--trainer-tp", "the megatron trainer trains MoE models at tp 1 (use --trainer-ep)")
         if ep > 1 and (not moe or trainer_ranks % ep):
             bad("--trainer-ep", "expert parallelism needs an MoE model and ep dividing the ranks")
+
+
+def _delta_region_mb(hf_config: dict[str, Any], *, tp: int, ep: int, dtype: str) -> int:
+    """MiB of the delta region each replica rank registers: 1/8 of the largest rank's
+    parameter bytes in the rollout dtype, rounded up, at least 1.
+
+    A changed 16-bit element costs twice a full write's bytes, so 1/8 holds densities up to
+    about 6 % (docs/concepts.md, "Delta syncs"), well above what an RL step changes.
+    """
+    rank_bytes = max(
+        sum(
+            param.num_bytes
+            for param in rank_layout(
+                hf_config,
+                ParallelismConfig(tp_size=tp, tp_rank=rank, ep_size=ep),
+                canonical_dtype_name(dtype),
+            ).values()
+        )
+        for rank in range(tp)
+    )
+    return max(1, -(-rank_bytes // (8 * _MIB)))
+
+
+def _check_delta(delta: bool, lr: float | None, model: str, dtype: str) -> None:
+    def bad(option: str, message: str) -> None:
+        raise typer.BadParameter(message, param_hint=option)
+
+    if lr is not None and not lr > 0:
+        bad("--lr", "must be positive")
+    if not delta:
+        return
+    if dtype != "bf16":
+        # Measured at lr 1e-6: fp16's three more mantissa bits let 12-20 % of its elements
+        # change per step, and fp32 rounds nothing away (nearly all change).
+        bad(
+            "--delta",
+            f"{dtype} rollouts change too many elements per step for a delta region of 1/8 "
+            "of a rank's bytes; use --dtype bf16",
+        )
 
 
 def _has_megatron_core() -> bool:

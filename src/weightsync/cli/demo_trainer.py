@@ -11,6 +11,10 @@ Three trainers, each a source of the syncs on every rank:
   of the ranks), loaded from the checkpoint; each rank exports the slices it holds
   (`weightsync.export.megatron.MegatronExport`).
 
+Every trainer keeps float32 master weights and steps AdamW on them: at an RL learning rate
+most updates then vanish when the weights are rounded to the rollout's 16-bit dtype, which is
+what keeps a delta sync (``TrainerArgs.delta``) sparse.
+
 After each sync rank 0 compares the replicas' greedy tokens with those of a transformers
 model holding the trainer's weights (for the sharded trainers, gathered from every rank's
 boxes: a collective the sync itself never runs).
@@ -32,7 +36,30 @@ from weightsync.cli.logs import configure_logging
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerArgs:
-    """What every trainer rank of the demo needs to know."""
+    """What every trainer rank of the demo needs to know.
+
+    Attributes:
+        checkpoint: the HF checkpoint folder the trainer starts from.
+        replica_urls: the replicas every sync writes.
+        api_key: the replicas' API key.
+        world_size: trainer ranks.
+        pp_size: pipeline stages the trainer exports.
+        steps: optimizer steps (one sync after each, plus one before the first).
+        rollout_dtype: the replicas' dtype name (``"bfloat16"``).
+        init_method: the gloo group's rendezvous (``tcp://HOST:PORT``).
+        bucket_bytes: the senders' bucket size.
+        prompts: token ids whose greedy continuations are compared after every sync.
+        max_new_tokens: tokens generated per prompt.
+        transfer_timeout_s: the senders' and the transport's timeout.
+        lr: AdamW's learning rate.
+        delta: sync with ``SyncConfig(delta=True)``: after the first sync, write only the
+            elements that changed into replicas that offer a delta region.
+        trainer: which trainer, one of `TRAINER_KINDS`.
+        tp_size: tensor-parallel size (the megatron trainer).
+        ep_size: expert-parallel size (the megatron trainer, MoE models).
+        fp8_block: the block of a block-FP8 rollout, 0 for none.
+        verbose: log every rank's weightsync and Mooncake lines.
+    """
 
     checkpoint: str
     replica_urls: tuple[str, ...]
@@ -46,6 +73,8 @@ class TrainerArgs:
     prompts: tuple[tuple[int, ...], ...]
     max_new_tokens: int
     transfer_timeout_s: float
+    lr: float
+    delta: bool = False
     trainer: str = "hf"
     tp_size: int = 1
     ep_size: int = 1
@@ -101,6 +130,7 @@ def _train_and_sync(rank: int, args: TrainerArgs, events: Any) -> None:
         sender=ws.SenderConfig(bucket_bytes=args.bucket_bytes, timeout_s=args.transfer_timeout_s),
         control=ws.ControlConfig(api_key=args.api_key, check_weight_update_equal=True),
         transport=ws.MooncakeConfig(protocol="tcp", timeout_s=args.transfer_timeout_s),
+        delta=args.delta,
     )
     sync = ws.TrainerSync(
         config,
@@ -159,7 +189,7 @@ class _HFTrainer:
         self.rank, self.group = rank, group
         self.model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-3)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.export = ws.ModelExport(self.model, pp_rank=rank % args.pp_size, pp_size=args.pp_size)
 
     def step(self, step: int) -> float:
@@ -190,7 +220,7 @@ class _FSDPTrainer:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-3)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.export = FSDPExport(self.model)
 
     def step(self, step: int) -> float:
@@ -227,7 +257,7 @@ class _MegatronTrainer:
         self.rank, self.group = rank, group
         self.config = load_config_dict(args.checkpoint)
         self.trainer = MegatronTrainer(
-            self.config, tp=args.tp_size, pp=args.pp_size, ep=args.ep_size, lr=2e-3
+            self.config, tp=args.tp_size, pp=args.pp_size, ep=args.ep_size, lr=args.lr
         )
         state: dict[str, torch.Tensor] = {}
         for file in sorted(Path(args.checkpoint).glob("*.safetensors")):

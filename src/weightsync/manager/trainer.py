@@ -564,12 +564,12 @@ def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -
 
 
 def _plan_targets(plan: SourcePlan) -> list[TargetRank]:
-    """Every target `plan` (or a part of it) writes to, once each."""
+    """Every target `plan` writes to, once each, as it published itself (a part's targets
+    publish only that part's parameters)."""
     seen: dict[str, TargetRank] = {}
-    for part in plan.parts or (plan,):
-        for ranks in part.targets.values():
-            for target in ranks:
-                seen.setdefault(target.session_id, target)
+    for ranks in plan.targets.values():
+        for target in ranks:
+            seen.setdefault(target.session_id, target)
     return list(seen.values())
 
 

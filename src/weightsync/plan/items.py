@@ -173,15 +173,17 @@ class SourcePlan:
         """This plan writing only to the targets whose session id is in `sessions`: the
         work of a layout none of them has is dropped (a delta sync writes the other
         targets' bytes its own way)."""
-        if self.parts:
-            return dataclasses.replace(
-                self, parts=tuple(part.restricted(sessions) for part in self.parts)
-            )
         targets = {
             layout_id: kept
             for layout_id, ranks in self.targets.items()
             if (kept := tuple(t for t in ranks if t.session_id in sessions))
         }
+        if self.parts:
+            return dataclasses.replace(
+                self,
+                targets=targets,
+                parts=tuple(part.restricted(sessions) for part in self.parts),
+            )
         work = {}
         for hf_name, works in self.work.items():
             kept_works = tuple(w for w in works if w.layout_id in targets)

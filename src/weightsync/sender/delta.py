@@ -324,6 +324,9 @@ class DeltaPush:
     ) -> tuple[dict[str, DeltaWrite], dict[str, str]]:
         """Lay out each wanted layout's payload and write it to its delta targets."""
         sessions = {t.session_id: t for t in targets}
+        # A part's targets publish only that part's parameters; a payload numbers the
+        # parameters among all the rank publishes (the whole plan's targets).
+        published = {t.session_id: t for ranks in plan.targets.values() for t in ranks}
         payloads: list[tuple[list[TargetRank], torch.Tensor]] = []
         per_target: dict[str, dict] = {
             s: {
@@ -343,7 +346,8 @@ class DeltaPush:
                 mine = [t for t in ranks if t.session_id in sessions]
                 if not mine:
                     continue
-                sections, changes, count = self._sections(index, layout_id, mine[0], pieces)
+                whole = published.get(mine[0].session_id, mine[0])
+                sections, changes, count = self._sections(index, layout_id, whole, pieces)
                 for target in mine:
                     record = per_target[target.session_id]
                     record["full_bytes"] += full.get(layout_id, 0)
