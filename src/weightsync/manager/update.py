@@ -59,9 +59,10 @@ class PushResult:
     """What every trainer source rank wrote in one update, added up.
 
     Attributes:
-        bytes_written: bytes written to rollout memory, over all targets.
+        bytes_written: bytes written to rollout memory, over all targets (a delta's
+            payloads, for a target that took one).
         bytes_staged: bytes copied into staging memory, over all sources.
-        num_writes: transport writes after coalescing.
+        num_writes: transport writes after coalescing (a delta payload counts one).
         num_regions: destination regions before coalescing.
         bytes_per_replica: bytes written into each replica (by replica URL).
         seconds_per_source: wall time of each source rank's push (by source rank).
@@ -102,12 +103,13 @@ class PushResult:
         replica_of = {t.session_id: t.replica for t in targets}
         deltas = dict(deltas or {})
         per_replica: dict[str, int] = {}
-        delta_bytes = 0
+        delta_bytes = delta_writes = 0
         for delta in deltas.values():
             for session_id, write in delta.written.items():
                 replica = replica_of.get(session_id, session_id)
                 per_replica[replica] = per_replica.get(replica, 0) + write.num_bytes
                 delta_bytes += write.num_bytes
+                delta_writes += len(write.payloads)
         digests: dict[str, dict[str, int]] = {}
         for rank_stats in stats.values():
             for session_id, partial in rank_stats.digests.items():
@@ -120,7 +122,7 @@ class PushResult:
         return cls(
             bytes_written=sum(s.bytes_written for s in stats.values()) + delta_bytes,
             bytes_staged=sum(s.bytes_staged for s in stats.values()),
-            num_writes=sum(s.num_writes for s in stats.values()),
+            num_writes=sum(s.num_writes for s in stats.values()) + delta_writes,
             num_regions=sum(s.num_regions for s in stats.values()),
             bytes_per_replica=per_replica,
             seconds_per_source={rank: s.seconds for rank, s in stats.items()},
