@@ -335,3 +335,36 @@ def test_delta_pushes_into_a_layout_of_two_dtypes() -> None:
     # whose targets each publish one dtype's parameters; payloads number every parameter.
     deepseek = preset_config("tiny-deepseek", num_hidden_layers=2)
     _sync_rounds(deepseek, [(2, 2), (1, 1)], rounds=2)
+
+
+def test_the_host_and_device_run_maps_agree() -> None:
+    from weightsync.plan.delta import DeltaTarget, RunFamily
+    from weightsync.sender.delta import _Runs
+
+    # A column slice (runs with a step), a row block, and an interleaved second family.
+    target = DeltaTarget(
+        layout_id=0,
+        param_name="p",
+        element_size=2,
+        families=(
+            RunFamily(src_start=3, src_step=10, dst_start=0, dst_step=4, count=50, length=4),
+            RunFamily(src_start=8, src_step=10, dst_start=200, dst_step=2, count=50, length=2),
+            RunFamily(src_start=600, src_step=0, dst_start=300, dst_step=0, count=1, length=40),
+        ),
+    )
+    runs = _Runs(target)
+    elements = torch.unique(
+        torch.randint(0, 700, (300,), generator=torch.Generator().manual_seed(1))
+    )
+    positions, destinations = runs._map_host(elements)
+    host = (torch.arange(len(elements))[positions], destinations)
+    device = runs._map_device(elements)
+    expected = {}
+    for family in target.families:
+        for src, dst, length in family.runs():
+            for k in range(length):
+                expected[src + k] = dst + k
+    pairs = {int(elements[p]): int(d) for p, d in zip(*host, strict=True)}
+    assert pairs == {e: expected[e] for e in elements.tolist() if e in expected}
+    host_pairs = sorted(zip(host[0].tolist(), host[1].tolist(), strict=True))
+    assert host_pairs == sorted(zip(device[0].tolist(), device[1].tolist(), strict=True))

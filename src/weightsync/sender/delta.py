@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from weightsync.delta_codec import Section, checksum_change, encode_payload
@@ -114,36 +115,84 @@ class DeltaStats:
 
 
 class _Runs:
-    """A `DeltaTarget`'s runs as tensors: maps changed source elements to destinations."""
+    """Maps changed source elements of one tensor to a `DeltaTarget`'s destination
+    elements, family by family, by arithmetic: run ``i`` of a family starts at
+    ``src_start + i * src_step``, so an element's run and its offset in it are a division
+    away (no search over the runs)."""
 
-    def __init__(self, target: DeltaTarget, device: torch.device) -> None:
-        src, dst, length = [], [], []
-        for family in target.families:
-            steps = torch.arange(family.count, dtype=torch.int64)
-            src.append(family.src_start + steps * family.src_step)
-            dst.append(family.dst_start + steps * family.dst_step)
-            length.append(torch.full((family.count,), family.length, dtype=torch.int64))
-        starts, order = torch.cat(src).sort()
-        self.starts = starts.to(device)
-        self.ends = (starts + torch.cat(length)[order]).to(device)
-        self.dsts = torch.cat(dst)[order].to(device)
-        self.low = int(starts[0])
-        self.high = int(self.ends.max())
-        self.single = len(target.families) == 1 and target.families[0].count == 1
+    def __init__(self, target: DeltaTarget) -> None:
+        self.families = tuple(
+            (f.src_start, f.src_step or 1, f.dst_start, f.dst_step, f.count, f.length)
+            for f in target.families
+        )
 
-    def map(self, elements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def map(self, elements: torch.Tensor) -> tuple[torch.Tensor | slice, torch.Tensor]:
         """``(positions in elements, destination elements)`` of the `elements` (ascending)
-        these runs cover."""
-        bounds = torch.tensor([self.low, self.high], device=elements.device)
-        first, last = torch.searchsorted(elements, bounds).tolist()
-        span = elements[first:last]
-        if self.single:
-            positions = torch.arange(first, last, device=elements.device)
-            return positions, span - self.low + self.dsts[0]
-        run = torch.searchsorted(self.starts, span, right=True) - 1
-        inside = (span < self.ends[run]).nonzero().reshape(-1)
-        run = run[inside]
-        return inside + first, self.dsts[run] + span[inside] - self.starts[run]
+        these runs cover; the positions may be a slice."""
+        if elements.device.type == "cpu":
+            return self._map_host(elements)
+        return self._map_device(elements)
+
+    def _map_device(self, elements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`map` with torch ops on the elements' device."""
+        positions, destinations = [], []
+        for src, step, dst, dst_step, count, length in self.families:
+            end = src + (count - 1) * step + length
+            bounds = torch.tensor([src, end], device=elements.device)
+            first, last = torch.searchsorted(elements, bounds).tolist()
+            offset = elements[first:last] - src
+            if count == 1:
+                positions.append(torch.arange(first, last, device=elements.device))
+                destinations.append(offset + dst)
+                continue
+            run, within = offset // step, offset % step
+            inside = (within < length).nonzero().reshape(-1)
+            positions.append(inside + first)
+            destinations.append(dst + run[inside] * dst_step + within[inside])
+        return _joined(positions, destinations, elements.device)
+
+    def _map_host(self, elements: torch.Tensor) -> tuple[torch.Tensor | slice, torch.Tensor]:
+        """`map` with numpy (faster than torch's CPU ops for these small passes); a single
+        run's positions are a slice (its elements are contiguous in `elements`)."""
+        found = elements.numpy()
+        positions: list[np.ndarray | slice] = []
+        destinations = []
+        for src, step, dst, dst_step, count, length in self.families:
+            end = src + (count - 1) * step + length
+            first, last = (int(i) for i in np.searchsorted(found, (src, end)))
+            offset = found[first:last] - src
+            if count == 1:
+                positions.append(slice(first, last))
+                destinations.append(offset + dst)
+                continue
+            run, within = np.divmod(offset, step)
+            inside = np.flatnonzero(within < length)
+            positions.append(inside + first)
+            destinations.append(dst + run[inside] * dst_step + within[inside])
+        if len(positions) == 1:
+            only = positions[0]
+            return (only if isinstance(only, slice) else torch.from_numpy(only)), torch.from_numpy(
+                destinations[0]
+            )
+        arrays = [
+            np.arange(p.start, p.stop, dtype=np.int64) if isinstance(p, slice) else p
+            for p in positions
+        ]
+        empty = [np.zeros(0, dtype=np.int64)]
+        return torch.from_numpy(np.concatenate(arrays or empty)), torch.from_numpy(
+            np.concatenate(destinations or empty)
+        )
+
+
+def _joined(
+    positions: list[torch.Tensor], destinations: list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(positions) == 1:
+        return positions[0], destinations[0]
+    if not positions:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty
+    return torch.cat(positions), torch.cat(destinations)
 
 
 @dataclass(slots=True)
@@ -306,9 +355,9 @@ class DeltaPush:
                 continue
             runs = self._runs.get(id(target))
             if runs is None:
-                runs = self._runs[id(target)] = _Runs(target, changes.elements.device)
+                runs = self._runs[id(target)] = _Runs(target)
             positions, elements = runs.map(changes.elements)
-            if not positions.numel():
+            if not elements.numel():
                 continue
             piece = pieces.setdefault((index, target.layout_id, target.param_name), _Pieces())
             piece.elements.append(elements)
