@@ -248,37 +248,21 @@ def test_dense_changes_still_round_trip() -> None:
     _sync_rounds(TINY, [(2, 1)], rounds=1, fraction=0.9)
 
 
-def test_a_delta_without_a_reference_is_refused_before_any_write() -> None:
+def _two_targets(region_bytes: tuple[int, int], fraction: float, *, fail: str | None = None):
+    """Two tp1 replicas (regions of `region_bytes`), a pusher whose reference holds the
+    model, and the model after a step changing `fraction` of it: ``(pusher, plan, ranks,
+    export, transport)``; writes to the replica named `fail` fail."""
     model = random_model(TINY, seed=3)
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    (rank,) = _ranks(state, TINY, "r", 1, 1, 1 << 20)
-    transport = MemmoveTransport()
-    plan = build_plan(
-        hf_config=TINY, targets=[rank.target], sources=_holdings(state, [state]), dtype="bfloat16"
-    )
-    pusher = DeltaPush(
-        transport,
-        capabilities=HOST_ONLY,
-        rank=0,
-        world_size=1,
-        timeout_s=5.0,
-        reference=DeltaReference(),
-    )
-    with pytest.raises(ValueError, match="no complete delta reference"):
-        pusher.push(plan.for_source(0), TensorsExport(state), [rank.target], token=1)
-    assert transport.num_writes == 0 and pusher.reference.token is None
-
-
-def test_a_payload_larger_than_the_slot_fails_that_target_only() -> None:
-    model = random_model(TINY, seed=3)
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    small, big = _ranks(state, TINY, "small", 1, 1, 4096) + _ranks(
-        state, TINY, "big", 1, 1, 1 << 22
+    state = _hf_state(model)
+    ranks = _ranks(state, TINY, "a", 1, 1, region_bytes[0]) + _ranks(
+        state, TINY, "b", 1, 1, region_bytes[1]
     )
     transport = MemmoveTransport()
+    if fail is not None:
+        transport.fail_sessions.add(f"{fail}-0")
     plan = build_plan(
         hf_config=TINY,
-        targets=[small.target, big.target],
+        targets=[r.target for r in ranks],
         sources=_holdings(state, [state]),
         dtype="bfloat16",
     )
@@ -291,11 +275,21 @@ def test_a_payload_larger_than_the_slot_fails_that_target_only() -> None:
         reference=DeltaReference(),
     )
     pusher.push(plan.for_source(0), TensorsExport(state), [], token=1)
-    _step(model, torch.Generator().manual_seed(1), 0.2)
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    stats = pusher.push(
-        plan.for_source(0), TensorsExport(state), [small.target, big.target], token=2
-    )
+    _step(model, torch.Generator().manual_seed(1), fraction)
+    return pusher, plan.for_source(0), ranks, TensorsExport(_hf_state(model)), transport
+
+
+def test_a_delta_without_a_reference_is_refused_before_any_write() -> None:
+    pusher, plan, ranks, export, transport = _two_targets((1 << 20, 1 << 20), 0.05)
+    pusher.reference.free()
+    with pytest.raises(ValueError, match="no complete delta reference"):
+        pusher.push(plan, export, [ranks[0].target], token=2)
+    assert transport.num_writes == 0 and pusher.reference.token is None
+
+
+def test_a_payload_larger_than_the_slot_fails_that_target_only() -> None:
+    pusher, plan, (small, big), export, _ = _two_targets((4096, 1 << 22), 0.2)
+    stats = pusher.push(plan, export, [small.target, big.target], token=2)
     assert set(stats.failed) == {small.target.session_id}
     assert "does not fit its slot" in stats.failed[small.target.session_id]
     assert set(stats.written) == {big.target.session_id}
@@ -303,31 +297,11 @@ def test_a_payload_larger_than_the_slot_fails_that_target_only() -> None:
 
 
 def test_a_failed_write_fails_that_target_and_keeps_the_reference() -> None:
-    model = random_model(TINY, seed=3)
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    a, b = _ranks(state, TINY, "a", 1, 1, 1 << 22) + _ranks(state, TINY, "b", 1, 1, 1 << 22)
-    transport = MemmoveTransport()
-    transport.fail_sessions.add(a.target.session_id)
-    plan = build_plan(
-        hf_config=TINY,
-        targets=[a.target, b.target],
-        sources=_holdings(state, [state]),
-        dtype="bfloat16",
-    )
-    pusher = DeltaPush(
-        transport,
-        capabilities=HOST_ONLY,
-        rank=0,
-        world_size=1,
-        timeout_s=5.0,
-        reference=DeltaReference(),
-    )
-    pusher.push(plan.for_source(0), TensorsExport(state), [], token=1)
-    _step(model, torch.Generator().manual_seed(1), 0.05)
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    stats = pusher.push(plan.for_source(0), TensorsExport(state), [a.target, b.target], token=2)
+    pusher, plan, (a, b), export, _ = _two_targets((1 << 22, 1 << 22), 0.05, fail="a")
+    stats = pusher.push(plan, export, [a.target, b.target], token=2)
     assert set(stats.failed) == {a.target.session_id}
     assert set(stats.written) == {b.target.session_id}
+    assert stats.token == 2
 
 
 def test_delta_pushes_into_a_layout_of_two_dtypes() -> None:

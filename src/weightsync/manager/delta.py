@@ -29,7 +29,7 @@ from weightsync.manager.lifecycle import settled
 from weightsync.manager.replicas import ReplicaSet
 from weightsync.manager.update import OpenUpdate, PushResult
 from weightsync.plan import TargetRank
-from weightsync.sender import wrap_int64
+from weightsync.sender import DeltaWrite, wrap_int64
 
 logger = logging.getLogger(__name__)
 
@@ -74,61 +74,14 @@ class DeltaChoice:
         return "delta" if url in self.delta else "full"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TargetDelta:
-    """Every trainer rank's delta into one target, put together.
-
-    Attributes:
-        payloads: ``(offset, num_bytes)`` in the target's delta region, by source rank.
-        changes: ``{param_name: checksum change}`` summed over the source ranks.
-        num_elements: elements changed.
-        full_bytes: bytes a full push would have written to the target.
-        full_elements: elements a full push would have written to the target.
-    """
-
-    payloads: tuple[tuple[int, int], ...]
-    changes: Mapping[str, int]
-    num_elements: int
-    full_bytes: int
-    full_elements: int
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes put on the wire for the target."""
-        return sum(n for _, n in self.payloads)
-
-
-def target_deltas(result: PushResult) -> dict[str, TargetDelta]:
-    """Per target session id, what every source rank's delta push wrote there."""
-    out: dict[str, dict] = {}
+def target_deltas(result: PushResult) -> dict[str, DeltaWrite]:
+    """Per target session id, what every source rank's delta push wrote there, in rank
+    order (`DeltaWrite` adds up)."""
+    out: dict[str, DeltaWrite] = {}
     for rank in sorted(result.deltas):
         for session, write in result.deltas[rank].written.items():
-            entry = out.setdefault(
-                session,
-                {
-                    "payloads": [],
-                    "changes": {},
-                    "num_elements": 0,
-                    "full_bytes": 0,
-                    "full_elements": 0,
-                },
-            )
-            entry["payloads"].extend(write.payloads)
-            entry["num_elements"] += write.num_elements
-            entry["full_bytes"] += write.full_bytes
-            entry["full_elements"] += write.full_elements
-            for name, change in write.changes.items():
-                entry["changes"][name] = wrap_int64(entry["changes"].get(name, 0) + change)
-    return {
-        session: TargetDelta(
-            payloads=tuple(e["payloads"]),
-            changes=e["changes"],
-            num_elements=e["num_elements"],
-            full_bytes=e["full_bytes"],
-            full_elements=e["full_elements"],
-        )
-        for session, e in out.items()
-    }
+            out[session] = out[session] + write if session in out else write
+    return out
 
 
 class DeltaSyncs:

@@ -65,11 +65,25 @@ class DeltaWrite:
             (`weightsync.delta_codec.checksum_change`, wrapped to int64).
     """
 
-    payloads: tuple[tuple[int, int], ...]
-    num_elements: int
-    full_bytes: int
+    payloads: tuple[tuple[int, int], ...] = ()
+    num_elements: int = 0
+    full_bytes: int = 0
     full_elements: int = 0
     changes: Mapping[str, int] = field(default_factory=dict)
+
+    def __add__(self, other: DeltaWrite) -> DeltaWrite:
+        """Both writes into the same target (another part, or another trainer rank's):
+        payloads in order, counts and checksum changes added."""
+        changes = dict(self.changes)
+        for name, change in other.changes.items():
+            changes[name] = wrap_int64(changes.get(name, 0) + change)
+        return DeltaWrite(
+            payloads=self.payloads + other.payloads,
+            num_elements=self.num_elements + other.num_elements,
+            full_bytes=self.full_bytes + other.full_bytes,
+            full_elements=self.full_elements + other.full_elements,
+            changes=changes,
+        )
 
     @property
     def num_bytes(self) -> int:
@@ -377,16 +391,7 @@ class DeltaPush:
         # parameters among all the rank publishes (the whole plan's targets).
         published = {t.session_id: t for ranks in plan.targets.values() for t in ranks}
         payloads: list[tuple[list[TargetRank], torch.Tensor]] = []
-        per_target: dict[str, dict] = {
-            s: {
-                "payloads": [],
-                "num_elements": 0,
-                "full_bytes": 0,
-                "full_elements": 0,
-                "changes": {},
-            }
-            for s in sessions
-        }
+        per_target = dict.fromkeys(sessions, DeltaWrite())
         for index in range(len(maps)):
             part = _part(plan, index)
             full = _full_bytes(part)
@@ -397,16 +402,14 @@ class DeltaPush:
                     continue
                 whole = published.get(mine[0].session_id, mine[0])
                 sections, changes, count = self._sections(index, layout_id, whole, pieces)
+                share = DeltaWrite(
+                    num_elements=count,
+                    full_bytes=full.get(layout_id, 0),
+                    full_elements=full.get(layout_id, 0) // element_size,
+                    changes=changes,
+                )
                 for target in mine:
-                    record = per_target[target.session_id]
-                    record["full_bytes"] += full.get(layout_id, 0)
-                    record["full_elements"] += full.get(layout_id, 0) // element_size
-                    if sections:
-                        record["num_elements"] += count
-                        for name, change in changes.items():
-                            record["changes"][name] = wrap_int64(
-                                record["changes"].get(name, 0) + change
-                            )
+                    per_target[target.session_id] += share
                 if sections:
                     payloads.append((mine, encode_payload(sections, "cpu")))
         buffer, places = self._stage([payload for _, payload in payloads])
@@ -428,23 +431,13 @@ class DeltaPush:
                     )
                     continue
                 used[target.session_id] += payload.numel()
-                per_target[target.session_id]["payloads"].append((offset, payload.numel()))
+                per_target[target.session_id] += DeltaWrite(payloads=((offset, payload.numel()),))
                 run = WriteRun(place, addr + offset, payload.numel(), "(delta payload)")
                 self._queue.submit(target, [run], ring_base=buffer.data_ptr(), slot=0)
         self._queue.wait_all()
         for session, error in self._queue.failed.items():
             failed.setdefault(session, str(error))
-        written = {
-            s: DeltaWrite(
-                payloads=tuple(r["payloads"]),
-                num_elements=r["num_elements"],
-                full_bytes=r["full_bytes"],
-                full_elements=r["full_elements"],
-                changes=r["changes"],
-            )
-            for s, r in per_target.items()
-            if s not in failed
-        }
+        written = {s: write for s, write in per_target.items() if s not in failed}
         return written, failed
 
     def _sections(
