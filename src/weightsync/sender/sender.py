@@ -28,7 +28,7 @@ from weightsync.sender.executor import ProgramRun, arrival_table
 from weightsync.sender.fences import Fence, PushFences
 from weightsync.sender.fill import SlotFiller
 from weightsync.sender.finite import refuse_non_finite
-from weightsync.sender.landing import Landing
+from weightsync.sender.in_flight import InFlight
 from weightsync.sender.pins import PushPins
 from weightsync.sender.programs import ProgramCache
 from weightsync.sender.replay import CapturedPush, GraphPush, WritePush
@@ -122,7 +122,7 @@ class WeightSender:
         self._holding: SourceHolding | None = None
         # Receiver parameters mapped into this process, by (session, name, address).
         self._mapped_params: dict[tuple[str, str, int], torch.Tensor] = {}
-        self._landing = Landing(config.timeout_s)
+        self._in_flight = InFlight(config.timeout_s)
         self._fences: PushFences | None = None
         self._delta: DeltaPush | None = None
         self._closed = False
@@ -298,7 +298,7 @@ class WeightSender:
         """
         self._take(checked)
         plan, export = checked.plan, checked.export
-        self._landing.settle()
+        self._in_flight.settle()
         if fences:
             self._fences_here().wait(plan, fences, self.config.timeout_s)
         if not plan.parts:
@@ -311,7 +311,7 @@ class WeightSender:
                 except PartialPushError as exc:
                     raise partial_of_parts(exc, [*done, exc.result]) from exc
             stats = merge_stats(done)
-        stats = self._landing.finish(stats)
+        stats = self._in_flight.finish(stats)
         self._pushed = True
         return stats
 
@@ -401,7 +401,7 @@ class WeightSender:
             TensorChangedError: a tensor the copies read changed between the push taking it
                 and this call seeing the copies done (see `push`).
         """
-        return self._landing.wait()
+        return self._in_flight.wait()
 
     def _fences_here(self) -> PushFences:
         """What waits for fences on this rank's GPU (the transport's, else the current)."""
@@ -431,7 +431,7 @@ class WeightSender:
             return self._replay(captured, sums, cached, start=start, found=found, wait=wait)
         # An earlier part left its copies in flight; this one returns with every write
         # landed, so the push does too.
-        self._landing.wait_recorded()
+        self._in_flight.wait_recorded()
         ring = self._ring_for(program.staging) if program.steps else None
         writer = self._direct_writer(program, device) if program.direct else None
         if kept.table is None:
@@ -558,7 +558,7 @@ class WeightSender:
         try:
             captured.replay(self._queue, self._sources, sums)
             if in_flight:
-                self._landing.record(torch.device(program.staging.device))
+                self._in_flight.record(torch.device(program.staging.device))
             else:
                 self._wait_mapped(program, captured)
                 self._queue.wait_all()
@@ -567,13 +567,13 @@ class WeightSender:
             if in_flight:
                 # Up to the copies being queued; the rest when they are seen landed.
                 pins.check(until="its copies being queued")
-                self._landing.keep_pins(pins)
+                self._in_flight.keep_pins(pins)
             else:
                 pins.check()
                 if isinstance(captured, GraphPush):
                     # Earlier parts' copies ran ahead of this part's on the stream it waited
                     # for.
-                    self._landing.check_pins()
+                    self._in_flight.check_pins()
         except BaseException:
             self._queue.drain()
             raise
@@ -596,7 +596,7 @@ class WeightSender:
         """Unregister and free the staging memory (e.g. before a trainer checkpoint save),
         unregister the trainer memory direct writes read, and drop the captured pushes (they
         hold the tensors they read)."""
-        self._landing.settle()
+        self._in_flight.settle()
         self._queue.drain()
         if self._ring is not None:
             self._ring.free()

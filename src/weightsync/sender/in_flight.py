@@ -1,9 +1,9 @@
-"""`Landing`: the copies a replayed push left in flight, and the events they complete at.
+"""`InFlight`: the copies a replayed push left in flight, and the events they complete at.
 
 A push replayed as a CUDA graph may return once its copies are queued
 (``WeightSender.push(wait=False)``). It records an interprocess CUDA event after them, whose
 IPC handle travels with its `PushStats` (``events``) so that a receiver on the same host can
-wait for the copies itself; `Landing.wait` waits for them on the trainer, and checks then the
+wait for the copies itself; `InFlight.wait` waits for them on the trainer, and checks then the
 pins of the tensors they read (`weightsync.sender.pins`).
 """
 
@@ -20,7 +20,7 @@ from weightsync.sender.pins import PushPins
 from weightsync.sender.stats import PushStats, partial_error
 
 
-class Landing:
+class InFlight:
     """One sender's copies in flight.
 
     Call protocol, per push: `settle` as it starts; for each part, `record` after a replay
