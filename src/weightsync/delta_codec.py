@@ -266,6 +266,8 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
     blocks = tables[blocks_at - sections_at :].view(torch.int64).view(-1, 2)
     writes: list[tuple[int, int, torch.Tensor | None, torch.Tensor]] = []
     highest: list[torch.Tensor] = []
+    # The block table goes to the payload's device once, not once per section.
+    blocks_on_device = blocks.to(payload.device) if num_blocks else blocks
     for row in sections.tolist():
         index, kind, count, values_at, offsets_at, first, nblocks, start = row
         _check_section(row, blocks, params, total)
@@ -274,16 +276,17 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
         if kind == SectionKind.DENSE:
             writes.append((index, start, None, values))
             continue
-        starts = blocks[first : first + nblocks, 0].to(param.device)
-        counts = blocks[first : first + nblocks, 1].to(param.device)
+        starts = blocks_on_device[first : first + nblocks, 0]
+        counts = blocks_on_device[first : first + nblocks, 1]
         offsets = payload[offsets_at : offsets_at + 2 * count].view(torch.int16)
         elements = torch.repeat_interleave(starts, counts, output_size=count)
         elements += offsets.to(torch.int64) & 0xFFFF
-        writes.append((index, 0, elements, values))
+        writes.append((index, 0, elements.to(param.device), values.to(param.device)))
         if count:
-            highest.append((elements.max() - params[index].numel()).cpu())
+            highest.append(elements.max() - params[index].numel())
     # Offsets are read on the device: one look at every section's largest element before the
-    # first write, so that a payload reaching past a parameter changes nothing.
+    # first write (one host sync for all), so that a payload reaching past a parameter
+    # changes nothing.
     if highest and int(torch.stack(highest).max()) >= 0:
         raise DeltaFormatError("a sparse section reaches past the end of its parameter")
     num_elements = 0
@@ -429,11 +432,20 @@ def _device_change(
     word = byte >> 3
     diff = diff * (torch.ones_like(byte) << ((byte & 7) * 8))
     grid_words = rows * CHECK_ROW_WORDS
-    in_grid = word < grid_words
-    weight = torch.empty_like(word)
-    grid = word[in_grid]
-    weight[in_grid] = row_w[grid >> _ROW_SHIFT] + col_w[grid & (CHECK_ROW_WORDS - 1)]
-    weight[~in_grid] = tail_w[word[~in_grid] - grid_words]
+    # Without boolean indexing (a host sync each): indices clamped into both tables, the
+    # right weight picked per word.
+    if not tail_w.numel():
+        weight = row_w[word >> _ROW_SHIFT] + col_w[word & (CHECK_ROW_WORDS - 1)]
+    elif not rows:
+        weight = tail_w[word]
+    else:
+        grid = torch.clamp(word, max=grid_words - 1)
+        tail = torch.clamp(word - grid_words, min=0)
+        weight = torch.where(
+            word < grid_words,
+            row_w[grid >> _ROW_SHIFT] + col_w[grid & (CHECK_ROW_WORDS - 1)],
+            tail_w[tail],
+        )
     return (diff * weight).sum()
 
 
