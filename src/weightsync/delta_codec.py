@@ -331,6 +331,61 @@ def _check_section(
         raise DeltaFormatError(f"{where}: unknown kind {kind}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checked:
+    """What applying one rank's payloads and checking its checksums found
+    (`apply_and_check`).
+
+    Attributes:
+        num_elements: elements the applied payloads wrote.
+        refused: the index of the payload that was not a valid delta (it and those after
+            it were not applied), or None.
+        error: why it was refused, or None.
+        mismatched: parameters whose checksum after applying differs from the expected one.
+        unexpected: parameters a payload wrote that had no expected checksum.
+        checksums: ``{param_name: checksum}`` of every parameter after applying.
+    """
+
+    num_elements: int
+    refused: int | None
+    error: str | None
+    mismatched: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    checksums: dict[str, int]
+
+
+def apply_and_check(
+    payloads: Sequence[torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    expected: Mapping[str, int],
+) -> Checked:
+    """Apply `payloads` in order to `params` (by name; numbered by their sorted names), stop
+    at the first that is not a valid delta, then checksum every parameter and compare the
+    changed ones with `expected` (every name in it must be one of `params`)."""
+    names = sorted(params)
+    ordered = [params[name] for name in names]
+    written: set[int] = set()
+    num_elements = 0
+    refused, error = None, None
+    for index, payload in enumerate(payloads):
+        try:
+            applied = apply_payload(payload, ordered)
+        except DeltaFormatError as exc:
+            refused, error = index, str(exc)
+            break
+        written.update(applied.params)
+        num_elements += applied.num_elements
+    after = checksums(params)
+    return Checked(
+        num_elements=num_elements,
+        refused=refused,
+        error=error,
+        mismatched=tuple(name for name, value in expected.items() if after[name] != value),
+        unexpected=tuple(names[i] for i in sorted(written) if names[i] not in expected),
+        checksums=after,
+    )
+
+
 # --- the checksum -------------------------------------------------------------------------
 
 

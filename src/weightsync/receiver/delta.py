@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.delta_codec import DeltaFormatError, apply_payload, checksums
+from weightsync.delta_codec import apply_and_check
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
@@ -148,31 +148,20 @@ def apply_deltas(
             f"({', '.join(unknown[:5])}); nothing was applied"
         )
     start = time.perf_counter()
-    names = sorted(params)
-    ordered = [params[name] for name in names]
-    written: set[int] = set()
-    num_elements = 0
+    checked = apply_and_check(payloads, params, expected)
     error = None
-    for index, payload in enumerate(payloads):
-        try:
-            applied = apply_payload(payload, ordered)
-        except DeltaFormatError as exc:
-            before = (
-                "nothing was applied"
-                if index == 0
-                else f"the {index} payload(s) before it were applied"
-            )
-            error = f"delta payload {index} of {len(payloads)} was refused ({exc}); {before}"
-            break
-        written.update(applied.params)
-        num_elements += applied.num_elements
-    after = checksums(params)
-    mismatched = [name for name, value in expected.items() if after[name] != value]
-    mismatched += [names[i] for i in sorted(written) if names[i] not in expected]
+    if checked.refused is not None:
+        index = checked.refused
+        before = (
+            "nothing was applied"
+            if index == 0
+            else f"the {index} payload(s) before it were applied"
+        )
+        error = f"delta payload {index} of {len(payloads)} was refused ({checked.error}); {before}"
     return DeltaResult(
-        num_elements=num_elements,
-        mismatched=tuple(mismatched),
-        checksums=after,
+        num_elements=checked.num_elements,
+        mismatched=checked.mismatched + checked.unexpected,
+        checksums=checked.checksums,
         seconds=time.perf_counter() - start,
         error=error,
     )

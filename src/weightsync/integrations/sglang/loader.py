@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.delta_codec import DeltaFormatError, apply_payload, checksums
+from weightsync.delta_codec import apply_and_check, checksums
 from weightsync.integrations.sglang.wire import (
     DeltaDescriptor,
     DeltaReply,
@@ -171,40 +171,29 @@ def _apply(
             message=f"{refused}; nothing was written",
             checksums=checksums(params),
         )
-    names = sorted(params)
-    ordered = [params[name] for name in names]
-    written: set[int] = set()
-    num_elements = 0
+    checked = apply_and_check(payloads, params, descriptor.expected)
+    num_elements, after = checked.num_elements, checked.checksums
     problems = []
-    for index, payload in enumerate(payloads):
-        try:
-            applied = apply_payload(payload, ordered)
-        except DeltaFormatError as exc:
-            if index == 0:
-                return _Outcome(
-                    status=ReplyStatus.REFUSED,
-                    message=f"{where}: payload 0 was refused ({exc}); nothing was written",
-                    checksums=checksums(params),
-                )
-            problems.append(
-                f"payload {index} of {len(payloads)} was refused ({exc}) after the ones "
-                "before it were applied"
-            )
-            break
-        written.update(applied.params)
-        num_elements += applied.num_elements
-    after = checksums(params)
-    mismatched = [name for name, value in descriptor.expected.items() if after[name] != value]
-    if mismatched:
-        problems.append(
-            f"{len(mismatched)} parameter(s) differ from the trainers' checksums after "
-            f"applying ({_some(mismatched)})"
+    if checked.refused == 0:
+        return _Outcome(
+            status=ReplyStatus.REFUSED,
+            message=f"{where}: payload 0 was refused ({checked.error}); nothing was written",
+            checksums=after,
         )
-    unexpected = [names[i] for i in sorted(written) if names[i] not in descriptor.expected]
-    if unexpected:
+    if checked.refused is not None:
         problems.append(
-            f"payloads wrote {len(unexpected)} parameter(s) with no expected checksum "
-            f"({_some(unexpected)})"
+            f"payload {checked.refused} of {len(payloads)} was refused ({checked.error}) after "
+            "the ones before it were applied"
+        )
+    if checked.mismatched:
+        problems.append(
+            f"{len(checked.mismatched)} parameter(s) differ from the trainers' checksums after "
+            f"applying ({_some(checked.mismatched)})"
+        )
+    if checked.unexpected:
+        problems.append(
+            f"payloads wrote {len(checked.unexpected)} parameter(s) with no expected checksum "
+            f"({_some(checked.unexpected)})"
         )
     if problems:
         return _Outcome(
