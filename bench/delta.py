@@ -13,7 +13,8 @@ the delta left exactly what a full write of the same weights leaves.
 
 Prints a table per step and one JSON line: bytes on the wire and their fraction of the full
 bytes, density, the delta's encode / write phases beside the full sync's push, the whole
-sync's seconds, and memcpy over the bytes encoding reads (the bound of a CPU delta sync).
+sync's seconds, and memcpy over the bytes encoding reads, the trainer's fp32 tensors and the
+reference in the rollout dtype (the bound of a CPU delta sync).
 
     python bench/delta.py                       # ~1 GB bf16 dense, 2 replicas x tp2, 2 ranks
     python bench/delta.py --quick               # tiny smoke run
@@ -47,6 +48,8 @@ from common import (
 from sync import launch
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
 from weightsync.testing.trainers import SyncTrainers, TrainerSpec
+
+TRAINER_DTYPE = "float32"  # the trainer ranks' master weights, which encoding reads
 
 
 def _delta_row(step: int, step_s: float, delta: dict, full: dict) -> dict[str, Any]:
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
             world_size=args.trainer_ranks,
             pp_size=args.trainer_pp,
             rollout_dtype=dtype,
-            trainer_dtype="float32",
+            trainer_dtype=TRAINER_DTYPE,
             seed=args.seed,
             bucket_bytes=args.bucket_mb * MIB,
             num_workers=args.num_workers,
@@ -121,8 +124,9 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
                 )
                 for why in row["why_full"]:
                     log(f"  full bytes because {why}")
-            # Encoding reads the new bytes and the reference: memcpy over both, per rank.
-            per_rank = 2 * rollout_bytes // args.trainer_ranks
+            # Encoding reads the new bytes (the trainer's fp32 tensors, cast on the way) and
+            # the reference (the rollout dtype): memcpy over both, per rank.
+            per_rank = (model_bytes(config, TRAINER_DTYPE) + rollout_bytes) // args.trainer_ranks
             ceiling = HostCeiling(per_rank)
             memcpy_s = median([ceiling.memcpy() for _ in range(3)])
         return {

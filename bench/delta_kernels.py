@@ -3,9 +3,11 @@
 A delta sync reads the new weights and the sender's reference to find what changed
 (`weightsync.sender.delta_reference`), lays the changes out (`weightsync.delta_codec`),
 and the rollout rank checksums its parameters before, applies the payload in place, and
-checksums them after. This times each of those on one device over ``--gb`` of bf16 weights
-(tensors of ``--tensor-mb``) whose elements changed at ``--density`` (a random subset, new
-bits differing from the old), beside a copy of the same bytes on the same device (what a
+checks them after: by default derived from the checksums before and the elements written
+(``check="changes"``), or by checksumming every parameter again (``check="full"``). This
+times each of those on one device over ``--gb`` of bf16 weights (tensors of
+``--tensor-mb``) whose elements changed at ``--density`` (a random subset, new bits
+differing from the old), beside a copy of the same bytes on the same device (what a
 full colocated sync's writes cost at best). Every apply is checked bit for bit.
 
 Prints a table and one JSON line.
@@ -30,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_table
 from weightsync.delta_codec import (
     Section,
+    apply_and_check,
     apply_payload,
     as_bits,
     checksum_change,
     checksum_tensor,
+    checksums,
     encode_payload,
 )
 from weightsync.sender.delta_reference import DeltaReference
@@ -57,13 +61,18 @@ def _encode(reference: DeltaReference, weights: list[torch.Tensor]) -> list:
     return [reference.encode("bfloat16", str(i), w) for i, w in enumerate(weights)]
 
 
-def _lay_out(found: list, numel: int, device: torch.device) -> torch.Tensor:
-    """One rank's payload of `found` (one parameter per tensor), with its checksum changes."""
+def _lay_out(found: list, numel: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """One rank's payload of `found` (one parameter per tensor), and its checksum changes."""
     sections = [
         Section(param_index=i, elements=c.elements, values=c.new) for i, c in enumerate(found)
     ]
-    torch.stack([checksum_change(c.elements, c.old, c.new, numel=numel) for c in found])
-    return encode_payload(sections, device)
+    moves = torch.stack([checksum_change(c.elements, c.old, c.new, numel=numel) for c in found])
+    return encode_payload(sections, device), moves.tolist()
+
+
+def _names(count: int) -> list[str]:
+    """Parameter names whose sorted order is their index (a payload numbers them so)."""
+    return [f"p{i:06d}" for i in range(count)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,12 +86,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(count)
     ]
     params = [w.clone() for w in weights]  # the rollout rank's parameters
+    # A second rank holding the same bytes, checked by the derived check.
+    derived = {name: w.clone() for name, w in zip(_names(count), weights, strict=True)}
     copies = [torch.empty_like(w) for w in weights]
     reference = DeltaReference("device")
     for index, weight in enumerate(weights):
         reference.record("bfloat16", str(index), weight)
     times: dict[str, list[float]] = {
-        k: [] for k in ("copy", "encode", "layout", "apply", "checksum")
+        k: [] for k in ("copy", "encode", "layout", "apply", "checksum", "begin", "changes")
     }
     num_bytes = count * numel * 2
     changed = 0
@@ -102,14 +113,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         times["layout"].append(
             _timed(device, lambda f=found, o=laid: o.append(_lay_out(f, numel, device)))
         )
-        payload = laid[0]
+        payload, moves = laid[0]
         times["apply"].append(_timed(device, lambda p=payload: apply_payload(p, params)))
         times["checksum"].append(
             _timed(device, lambda: torch.stack([checksum_tensor(p) for p in params]).cpu())
         )
+        base: dict[str, int] = {}
+        times["begin"].append(_timed(device, lambda b=base: b.update(checksums(derived))))
+        expected = {
+            name: (base[name] + move + (1 << 63)) % (1 << 64) - (1 << 63)
+            for name, move in zip(derived, moves, strict=True)
+        }
+        checked: list = []
+        times["changes"].append(
+            _timed(
+                device,
+                lambda p=payload, e=expected, b=base, c=checked: c.append(
+                    apply_and_check([p], derived, e, base=b)
+                ),
+            )
+        )
+        if checked[0].check != "changes" or checked[0].mismatched or checked[0].recomputed:
+            raise RuntimeError(f"the derived check did not verify: {checked[0]}")
         changed = sum(c.elements.numel() for c in found)
-        for param, weight in zip(params, weights, strict=True):
-            if not torch.equal(as_bits(param), as_bits(weight)):
+        for param, other, weight in zip(params, derived.values(), weights, strict=True):
+            if not (
+                torch.equal(as_bits(param), as_bits(weight))
+                and torch.equal(as_bits(other), as_bits(param))
+            ):
                 raise RuntimeError("an applied delta differs from the new weights")
     medians = {k: median(v) for k, v in times.items()}
     return {
@@ -125,6 +156,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "encode_of_copy_rate": (2 * num_bytes / medians["encode"]) / (num_bytes / medians["copy"]),
         "apply_of_copy": medians["apply"] / medians["copy"],
         "checksum_gbps": num_bytes / medians["checksum"] / 1e9,
+        "begin_gbps": num_bytes / medians["begin"] / 1e9,
+        # After applying: the full check (apply + checksum every parameter) against the
+        # derived one (apply_and_check, check="changes").
+        "full_check_s": medians["apply"] + medians["checksum"],
+        "changes_check_s": medians["changes"],
         "bit_exact": True,
     }
 
@@ -158,6 +194,21 @@ def main(argv: list[str] | None = None) -> int:
             "checksum every parameter",
             f"{seconds['checksum'] * 1e3:.2f}",
             f"{result['checksum_gbps']:.0f} GB/s",
+        ],
+        [
+            "begin: checksums (every byte)",
+            f"{seconds['begin'] * 1e3:.2f}",
+            f"{result['begin_gbps']:.0f} GB/s",
+        ],
+        [
+            "apply + check, full",
+            f"{result['full_check_s'] * 1e3:.2f}",
+            "apply, then checksum every parameter",
+        ],
+        [
+            "apply + check, changes",
+            f"{result['changes_check_s'] * 1e3:.2f}",
+            "derived from the begin's checksums",
         ],
     ]
     print_table(

@@ -10,6 +10,7 @@ from weightsync.delta_codec import (
     CHECK_ROW_WORDS,
     DeltaFormatError,
     Section,
+    apply_and_check,
     apply_payload,
     as_bits,
     checksum_change,
@@ -164,3 +165,158 @@ def test_the_host_and_device_checksum_changes_agree(dtype) -> None:
     changed = bits.clone()
     changed[elements] = new
     assert host == device == int(checksum_tensor(changed) - checksum_tensor(param))
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+@pytest.mark.parametrize("numel", [1, 7, CHECK_ROW_WORDS * 3, CHECK_ROW_WORDS * 700 + 3])
+def test_the_host_checksum_is_the_device_checksum(dtype, numel) -> None:
+    from weightsync.delta_codec import _device_checksum, _words
+
+    generator = torch.Generator().manual_seed(numel)
+    param = torch.randn(numel + 1, generator=generator).to(dtype)[1:]  # maybe unaligned
+    host = checksums({"p": param})["p"]
+    assert host == int(checksum_tensor(param)) == int(_device_checksum(_words(param)))
+
+
+def _named(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A rank's parameters by name (numbered by sorted name in payloads)."""
+    return {f"p{i}": p for i, p in enumerate(_params(generator))}
+
+
+def _payloads(params, generator, density, *, dense=False):
+    """Two payloads of random changes of `params` (the second over the first's result, the
+    same parameters again), the parameters they leave and the checksums they imply."""
+    target = {n: p.clone() for n, p in params.items()}
+    names = sorted(target)
+    payloads = []
+    for _ in range(2):
+        sections = []
+        for index, elements, new in _changes([target[n] for n in names], generator, density):
+            if dense and index == 1 and elements.numel():
+                start, stop = int(elements.min()), int(elements.max()) + 1
+                values = as_bits(target[names[index]])[start:stop].clone()
+                values[elements - start] = new
+                sections.append(
+                    Section(param_index=index, elements=None, values=values, start=start)
+                )
+                as_bits(target[names[index]])[start:stop] = values
+                continue
+            sections.append(Section(param_index=index, elements=elements, values=new))
+            as_bits(target[names[index]])[elements] = new
+        payloads.append(encode_payload(sections, "cpu"))
+    return payloads, target, checksums(target)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3])
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_changes_check_derives_what_a_full_pass_reads(density, dense) -> None:
+    generator = torch.Generator().manual_seed(5)
+    params = _named(generator)
+    base = checksums(params)
+    payloads, target, expected = _payloads(params, generator, density, dense=dense)
+    checked = apply_and_check(payloads, params, expected, base=base)
+    assert checked.check == "changes" and checked.recomputed == ()
+    assert checked.refused is None and not checked.mismatched and not checked.unexpected
+    assert checked.checksums == checksums(params) == expected
+    assert all(torch.equal(as_bits(params[n]), as_bits(target[n])) for n in params)
+
+
+def _one_change(params, name, elements):
+    """A payload setting `elements` of `params[name]` to new bits, the checksums after."""
+    order = sorted(params).index(name)
+    bits = as_bits(params[name])
+    index = torch.tensor(elements, dtype=torch.int64)
+    new = bits[index] ^ 0x11
+    after = bits.clone()
+    after[index] = new
+    sums = checksums(params)
+    sums[name] = int(checksum_tensor(after))
+    section = Section(param_index=order, elements=index, values=new)
+    return encode_payload([section], "cpu"), sums
+
+
+def test_a_wrong_value_in_a_payload_fails_the_changes_check() -> None:
+    params = _named(torch.Generator().manual_seed(6))
+    base = checksums(params)
+    payload, expected = _one_change(params, "p2", [4, 70_000, 100_001])
+    # The last value's low byte, as a flipped bit on the wire would change it.
+    payload[-8] ^= 0x01
+    checked = apply_and_check([payload], params, expected, base=base)
+    assert checked.check == "changes"
+    assert checked.mismatched == ("p2",)
+    assert checked.checksums["p2"] == checksums(params)["p2"]  # derived = what it holds
+
+
+def test_a_stray_write_into_a_changed_element_fails_the_changes_check() -> None:
+    params = _named(torch.Generator().manual_seed(7))
+    base = checksums(params)
+    payload, expected = _one_change(params, "p1", [10, 500])
+    # Written after the base was read, into an element the delta also writes: the old
+    # value the rank reads before writing is not the one the trainers' change starts from.
+    as_bits(params["p1"])[500] ^= 0x0100
+    checked = apply_and_check([payload], params, expected, base=base)
+    assert checked.mismatched == ("p1",)
+
+
+def test_a_stray_write_elsewhere_is_seen_by_the_full_check_only() -> None:
+    generator = torch.Generator().manual_seed(8)
+    params = _named(generator)
+    base = checksums(params)
+    payload, expected = _one_change(params, "p1", [10, 500])
+    as_bits(params["p1"])[600] ^= 0x0100  # an element no payload writes
+    kept = {n: p.clone() for n, p in params.items()}
+    checked = apply_and_check([payload], params, expected, base=base)
+    # What "changes" documents: the derived checksum still says the base's value there.
+    assert checked.check == "changes" and not checked.mismatched
+    assert checked.checksums["p1"] == expected["p1"] != checksums(params)["p1"]
+    full = apply_and_check([payload], kept, expected, base=base, check="full")
+    assert full.check == "full" and full.mismatched == ("p1",)
+    assert full.checksums == checksums(kept)
+
+
+def test_parameters_without_a_base_are_read_in_full() -> None:
+    params = _named(torch.Generator().manual_seed(9))
+    base = checksums(params)
+    payload, expected = _one_change(params, "p3", [1, 2, 3])
+    partial = {n: v for n, v in base.items() if n not in ("p3", "p0")}
+    checked = apply_and_check([payload], params, expected, base=partial)
+    assert checked.check == "changes" and checked.recomputed == ("p0", "p3")
+    assert not checked.mismatched and checked.checksums == checksums(params)
+    # A wrong value is still seen there.
+    params = _named(torch.Generator().manual_seed(9))
+    payload[-8] ^= 0x01
+    checked = apply_and_check([payload], params, expected, base=partial)
+    assert checked.mismatched == ("p3",)
+    # Without any base the whole check is the full pass.
+    params = _named(torch.Generator().manual_seed(9))
+    payload, expected = _one_change(params, "p3", [1, 2, 3])
+    checked = apply_and_check([payload], params, expected)
+    assert checked.check == "full" and checked.recomputed == () and not checked.mismatched
+
+
+def test_a_repeated_element_cannot_hide_behind_a_doubled_change() -> None:
+    params = _named(torch.Generator().manual_seed(10))
+    base = checksums(params)
+    bits = as_bits(params["p1"])
+    elements = torch.tensor([7, 7, 9], dtype=torch.int64)
+    new = bits[elements] ^ 0x22
+    # A sender that counted element 7 twice: its expected checksum moves twice as far.
+    expected = dict(base)
+    expected["p1"] = base["p1"] + int(
+        checksum_change(elements, bits[elements], new, numel=bits.numel())
+    )
+    expected["p1"] = (expected["p1"] + (1 << 63)) % (1 << 64) - (1 << 63)
+    payload = encode_payload([Section(param_index=1, elements=elements, values=new)], "cpu")
+    checked = apply_and_check([payload], params, expected, base=base)
+    assert checked.recomputed == ("p1",)
+    assert checked.mismatched == ("p1",)
+    assert checked.checksums == checksums(params)
+
+
+def test_an_unknown_check_is_refused_before_anything_is_written() -> None:
+    params = _named(torch.Generator().manual_seed(11))
+    payload, expected = _one_change(params, "p1", [1])
+    kept = {n: p.clone() for n, p in params.items()}
+    with pytest.raises(ValueError, match="check must be one of"):
+        apply_and_check([payload], params, expected, base=checksums(params), check="some")
+    assert all(torch.equal(as_bits(params[n]), as_bits(kept[n])) for n in params)

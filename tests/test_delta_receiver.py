@@ -272,3 +272,91 @@ def test_every_delta_of_a_session_must_verify(rank):
     assert agent.apply_delta([], {}).verified
     check = agent.end_update()
     assert not check.verified and check.delta is False
+
+
+def test_a_session_that_read_its_base_derives_the_check_from_it(rank):
+    agent, params = rank
+    sections, after = changed(
+        params, {"z.weight": [1, BLOCK_ELEMENTS + 2], "m.weight": [4]}, seed=3
+    )
+    payload = encode_payload(sections, "cpu")
+    _place(agent, 0, payload)
+    agent.begin_update("target")
+    agent.delta_checksums()  # the proof of the base, inside the session
+    # A request refused before any write keeps the base for the next one.
+    with pytest.raises(ValueError, match="does not have"):
+        agent.apply_delta([(0, payload.numel())], {"x.weight": 1})
+    result = agent.apply_delta([(0, payload.numel())], checksums(after))
+    assert result.verified and result.check == "changes" and result.recomputed == ()
+    assert _same(params, after)
+    assert result.checksums == checksums(params)
+    # A second delta of the session derives from the first's result.
+    more, later = changed(params, {"a.weight": [5]}, seed=4)
+    extra = encode_payload(more, "cpu")
+    _place(agent, 4096, extra)
+    result = agent.apply_delta([(4096, extra.numel())], checksums(later))
+    assert result.verified and result.check == "changes"
+    assert result.checksums == checksums(params)
+    assert agent.end_update().verified
+
+
+def test_without_a_base_read_in_the_session_the_check_reads_every_byte(rank):
+    agent, params = rank
+    sections, after = changed(params, {"b.weight": [2]}, seed=5)
+    payload = encode_payload(sections, "cpu")
+    _place(agent, 0, payload)
+    agent.delta_checksums()  # before the session: not this session's base
+    agent.begin_update("target")
+    result = agent.apply_delta([(0, payload.numel())], checksums(after))
+    assert result.verified and result.check == "full"
+    agent.end_update()
+    # A rank that wrote its own parameters inside the session drops the base it read.
+    agent.begin_update("target")
+    agent.delta_checksums()
+    agent.weights_checker("reset_tensors", seed=0)
+    sections, after = changed(params, {"b.weight": [3]}, seed=6)
+    payload = encode_payload(sections, "cpu")
+    _place(agent, 0, payload)
+    result = agent.apply_delta([(0, payload.numel())], checksums(after))
+    assert result.check == "full" and result.verified
+    agent.end_update()
+
+
+def test_a_stray_write_after_the_base_into_a_changed_element_is_caught(rank):
+    agent, params = rank
+    sections, after = changed(params, {"z.weight": [10, 20]}, seed=7)
+    payload = encode_payload(sections, "cpu")
+    _place(agent, 0, payload)
+    agent.begin_update("target")
+    agent.delta_checksums()
+    as_bits(params["z.weight"])[20] ^= 0x40  # not through any session call
+    result = agent.apply_delta([(0, payload.numel())], checksums(after))
+    assert not result.verified and result.mismatched == ("z.weight",)
+    assert not agent.end_update().verified
+
+
+@pytest.mark.parametrize("check", ["changes", "full"])
+def test_a_stray_write_elsewhere_is_caught_by_the_full_check(rank, check):
+    agent, params = rank
+    sections, after = changed(params, {"z.weight": [10, 20]}, seed=8)
+    payload = encode_payload(sections, "cpu")
+    _place(agent, 0, payload)
+    agent.begin_update("target")
+    agent.delta_checksums()
+    as_bits(params["z.weight"])[30] ^= 0x40  # an element the delta does not write
+    result = agent.apply_delta([(0, payload.numel())], checksums(after), check=check)
+    assert result.check == check
+    if check == "full":
+        assert result.mismatched == ("z.weight",) and not result.verified
+    else:
+        # What the default check cannot see: the checksum it reports for the next base is
+        # the one the trainers expect, and the next proof of the base reads every byte.
+        assert result.verified and result.checksums["z.weight"] == checksums(after)["z.weight"]
+        assert agent.delta_checksums()["z.weight"] != result.checksums["z.weight"]
+    agent.end_update()
+    with pytest.raises(ValueError, match="check must be one of"):
+        agent.begin_update("target")
+        try:
+            agent.apply_delta([(0, payload.numel())], {}, check="some")
+        finally:
+            agent.end_update()

@@ -218,10 +218,13 @@ def test_a_delta_lands_bit_exact_and_the_end_is_verified_without_digests(replica
         base = call(replica, "delta_checksums", session_token=token)
         assert base == {rank: checksums(shards) for rank, shards in enumerate(trainer.held)}
         ranks, after = a_delta(trainer, seed)
-        replies = call(replica, "apply_delta", session_token=token, ranks=ranks)
+        # The default check derives from the base read above; "full" reads every byte.
+        check = "full" if fused else "changes"
+        replies = call(replica, "apply_delta", session_token=token, ranks=ranks, check=check)
         assert sorted(replies) == [0, 1]
         assert [replies[r].num_elements for r in range(TP)] == [4 + 3, 1]
         for rank in range(TP):
+            assert replies[rank].check == check
             assert replies[rank].verified and replies[rank].error is None
             assert replies[rank].mismatched == []
             assert replies[rank].checksums == checksums(after[rank])

@@ -4,9 +4,9 @@ A delta sync writes, into each rollout rank, only the elements that changed sinc
 the rank verifiably holds (its *base*). The sender encodes them once per source tensor and
 lays them out per rank as one *payload*, written one-sidedly into a region the rank
 registered for it (its *delta region*); the rank applies the payload in place and checks the
-result. This module is what both ends share, and imports nothing but torch, so that an
-engine's worker (e.g. SGLang's custom weight loader) can apply deltas without the rest of
-the library.
+result. This module is what both ends share, and imports nothing but torch and numpy, so
+that an engine's worker (e.g. SGLang's custom weight loader) can apply deltas without the
+rest of the library.
 
 A payload, every offset in bytes from its start and a multiple of 8::
 
@@ -28,8 +28,12 @@ elements ``start .. start + count`` from its values, for runs where most element
 The checksum (`checksum`) covers every byte of a parameter at memory speed with two integer
 reductions, and is linear in the bytes: the sender computes how a delta moves it
 (`checksum_change`) from the old and new values of the elements it changes, so a rank whose
-base checksum matched and whose checksum after applying equals base + change holds exactly
-the bytes the trainer meant, every byte of them.
+base checksum matched and whose checksum after applying, read over every byte, equals
+base + change holds exactly the bytes the trainer meant, every byte of them. The rank can
+also derive its checksum after from the base's and the elements it wrote, read before and
+after writing (`apply_and_check`'s ``"changes"`` check): that proves every element written,
+at a cost in the changed elements, and leaves bytes written since the base was read into
+other elements to the next full read.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import enum
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -231,6 +236,17 @@ class Applied:
     num_elements: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One section of a checked payload, ready to write: ``elements`` (on the parameter's
+    device) for a sparse section, None for a dense run from ``start``."""
+
+    index: int
+    start: int
+    elements: torch.Tensor | None
+    values: torch.Tensor
+
+
 def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Applied:
     """Write the elements of `payload` into `params` (the rank's parameters, by sorted name).
 
@@ -241,6 +257,21 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
         payload: the bytes the sender wrote (uint8, on any device; the tables are read to the
             host once).
         params: the rank's parameters in the order of their sorted names, each contiguous.
+
+    Raises:
+        DeltaFormatError: a bad magic, version or size, or a section that does not fit.
+    """
+    writes = _read_payload(payload, params)
+    for write in writes:
+        _write(as_bits(params[write.index]), write)
+    return Applied(
+        params=tuple(sorted({w.index for w in writes})),
+        num_elements=sum(w.values.numel() for w in writes),
+    )
+
+
+def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_Write]:
+    """`payload`'s sections as writes into `params`, every one checked; nothing written.
 
     Raises:
         DeltaFormatError: a bad magic, version or size, or a section that does not fit.
@@ -264,7 +295,7 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
     tables = payload[sections_at:tables_end].cpu()
     sections = tables[: blocks_at - sections_at].view(torch.int64).view(-1, SECTION_WORDS)
     blocks = tables[blocks_at - sections_at :].view(torch.int64).view(-1, 2)
-    writes: list[tuple[int, int, torch.Tensor | None, torch.Tensor]] = []
+    writes: list[_Write] = []
     highest: list[torch.Tensor] = []
     # The block table goes to the payload's device once, not once per section.
     blocks_on_device = blocks.to(payload.device) if num_blocks else blocks
@@ -274,14 +305,14 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
         param = as_bits(params[index])
         values = payload[values_at : values_at + count * param.element_size()].view(param.dtype)
         if kind == SectionKind.DENSE:
-            writes.append((index, start, None, values))
+            writes.append(_Write(index, start, None, values))
             continue
         starts = blocks_on_device[first : first + nblocks, 0]
         counts = blocks_on_device[first : first + nblocks, 1]
         offsets = payload[offsets_at : offsets_at + 2 * count].view(torch.int16)
         elements = torch.repeat_interleave(starts, counts, output_size=count)
         elements += offsets.to(torch.int64) & 0xFFFF
-        writes.append((index, 0, elements.to(param.device), values.to(param.device)))
+        writes.append(_Write(index, 0, elements.to(param.device), values.to(param.device)))
         if count:
             highest.append(elements.max() - params[index].numel())
     # Offsets are read on the device: one look at every section's largest element before the
@@ -289,15 +320,15 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
     # changes nothing.
     if highest and int(torch.stack(highest).max()) >= 0:
         raise DeltaFormatError("a sparse section reaches past the end of its parameter")
-    num_elements = 0
-    for index, start, elements, values in writes:
-        param = as_bits(params[index])
-        if elements is None:
-            param[start : start + values.numel()].copy_(values)
-        else:
-            param.index_copy_(0, elements, values)
-        num_elements += values.numel()
-    return Applied(params=tuple(sorted({w[0] for w in writes})), num_elements=num_elements)
+    return writes
+
+
+def _write(bits: torch.Tensor, write: _Write) -> None:
+    """Write one section's values into a parameter's flat `bits`."""
+    if write.elements is None:
+        bits[write.start : write.start + write.values.numel()].copy_(write.values)
+    else:
+        bits.index_copy_(0, write.elements, write.values)
 
 
 def _check_section(
@@ -331,6 +362,14 @@ def _check_section(
         raise DeltaFormatError(f"{where}: unknown kind {kind}")
 
 
+Check = Literal["changes", "full"]
+"""How `apply_and_check` finds each parameter's checksum after applying: ``"changes"``
+derives it from the proven base's and the changed elements (O(changed elements)),
+``"full"`` reads every byte of every parameter again."""
+
+CHECKS: tuple[str, ...] = ("changes", "full")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checked:
     """What applying one rank's payloads and checking its checksums found
@@ -344,6 +383,12 @@ class Checked:
         mismatched: parameters whose checksum after applying differs from the expected one.
         unexpected: parameters a payload wrote that had no expected checksum.
         checksums: ``{param_name: checksum}`` of every parameter after applying.
+        check: the check that ran: ``"changes"`` (derived from the base) or ``"full"``
+            (every byte read again; also what a call without a base gets).
+        recomputed: under ``"changes"``, the parameters whose checksum after was computed
+            over all their bytes instead (not in the base, or written by a section whose
+            elements were not strictly ascending, where a repeated element would count
+            twice); empty under ``"full"``.
     """
 
     num_elements: int
@@ -352,30 +397,76 @@ class Checked:
     mismatched: tuple[str, ...]
     unexpected: tuple[str, ...]
     checksums: dict[str, int]
+    check: str = "full"
+    recomputed: tuple[str, ...] = ()
 
 
 def apply_and_check(
     payloads: Sequence[torch.Tensor],
     params: Mapping[str, torch.Tensor],
     expected: Mapping[str, int],
+    *,
+    base: Mapping[str, int] | None = None,
+    check: Check = "changes",
 ) -> Checked:
     """Apply `payloads` in order to `params` (by name; numbered by their sorted names), stop
-    at the first that is not a valid delta, then checksum every parameter and compare the
-    changed ones with `expected` (every name in it must be one of `params`)."""
+    at the first that is not a valid delta, then compare the checksum of every changed
+    parameter with `expected` (every name in it must be one of `params`).
+
+    With ``check="changes"`` and a `base`, each parameter's checksum after applying is
+    derived, not read: its base checksum plus the change (`checksum_change`) of the elements
+    the payloads wrote, from their bits read just before each section was written and read
+    back just after. It costs a few passes over the changed elements instead of one over
+    every byte, and proves every element a payload wrote: wrong values, elements, a section
+    written to the wrong place, or a write into a changed element since the base was read
+    all move the derived checksum off the trainers'. What it cannot see is a byte written
+    since the base was read into an element no payload touches: the derived checksum then
+    still says the base's value, and only a full pass (``check="full"``, or the next
+    proof of the base) reads it. Without a `base`, or with ``check="full"``, every
+    parameter is read again after applying.
+
+    Args:
+        payloads: the payloads' bytes (uint8), in the order to apply them.
+        params: every parameter of the rank by name.
+        expected: ``{param_name: checksum}`` the changed parameters must hold after.
+        base: ``{param_name: checksum}`` the rank computed over `params`' bytes and proved
+            to the trainers before any payload was applied, with nothing written into them
+            since but these payloads; a parameter missing from it is checksummed in full.
+        check: ``"changes"`` (derive from `base`) or ``"full"``.
+
+    Raises:
+        ValueError: `check` is not one of `CHECKS`.
+    """
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
     names = sorted(params)
     ordered = [params[name] for name in names]
+    derive = check == "changes" and base is not None
+    changes: dict[int, list[torch.Tensor | int]] = {}
+    ascending: dict[int, list[torch.Tensor | bool]] = {}
     written: set[int] = set()
     num_elements = 0
     refused, error = None, None
     for index, payload in enumerate(payloads):
         try:
-            applied = apply_payload(payload, ordered)
+            writes = _read_payload(payload, ordered)
         except DeltaFormatError as exc:
             refused, error = index, str(exc)
             break
-        written.update(applied.params)
-        num_elements += applied.num_elements
-    after = checksums(params)
+        for write in writes:
+            bits = as_bits(ordered[write.index])
+            if derive:
+                change, strict = _write_and_change(bits, write)
+                changes.setdefault(write.index, []).append(change)
+                ascending.setdefault(write.index, []).append(strict)
+            else:
+                _write(bits, write)
+            written.add(write.index)
+            num_elements += write.values.numel()
+    if derive and base is not None:
+        after, recomputed = _derived(params, names, base, changes, ascending)
+    else:
+        after, recomputed = checksums(params), ()
     return Checked(
         num_elements=num_elements,
         refused=refused,
@@ -383,7 +474,101 @@ def apply_and_check(
         mismatched=tuple(name for name, value in expected.items() if after[name] != value),
         unexpected=tuple(names[i] for i in sorted(written) if names[i] not in expected),
         checksums=after,
+        check="changes" if derive else "full",
+        recomputed=recomputed,
     )
+
+
+def _write_and_change(
+    bits: torch.Tensor, write: _Write
+) -> tuple[torch.Tensor | int, torch.Tensor | bool]:
+    """Write one section into a parameter's flat `bits` and say how its checksum moved:
+    ``(change, strictly ascending)``, the change from the elements' bits read just before
+    the write and read back just after it. On a device both are 0-d tensors (no host
+    sync); the second says that no element repeats, so that the change counts each once."""
+    if bits.device.type == "cpu":
+        return _host_write_and_change(bits, write)
+    numel = bits.numel()
+    if write.elements is None:
+        span = slice(write.start, write.start + write.values.numel())
+        old = bits[span].clone()
+        bits[span].copy_(write.values)
+        elements = torch.arange(span.start, span.stop, device=bits.device)
+        return checksum_change(elements, old, bits[span], numel=numel), True
+    elements = write.elements
+    old = bits[elements]
+    bits.index_copy_(0, elements, write.values)
+    strict = (elements[1:] > elements[:-1]).all()
+    return checksum_change(elements, old, bits[elements], numel=numel), strict
+
+
+# Elements of a sparse section a host apply reads, writes and reads back at a time: the
+# cache lines the first read brings stay in the cache for the write and the read back.
+_APPLY_CHUNK = 1 << 14
+
+
+def _host_write_and_change(bits: torch.Tensor, write: _Write) -> tuple[int, bool]:
+    """`_write_and_change` on the host, with numpy (its take and put are several times
+    faster than torch's CPU indexing), a chunk of elements at a time."""
+    flat = bits.numpy()
+    size = flat.itemsize
+    weights = _host_weights(_align(flat.size * size) // 8)
+    values = write.values.numpy()
+    if write.elements is None:
+        span = slice(write.start, write.start + values.size)
+        old = flat[span].copy()
+        flat[span] = values
+        elements = np.arange(span.start, span.stop, dtype=np.int64)
+        return _host_change_arrays(elements, old, flat[span], *weights), True
+    where = write.elements.numpy()
+    strict = where.size < 2 or bool((where[1:] > where[:-1]).all())
+    change = 0
+    for start in range(0, where.size, _APPLY_CHUNK):
+        part = where[start : start + _APPLY_CHUNK]
+        old = flat.take(part)
+        flat[part] = values[start : start + _APPLY_CHUNK]
+        change += _host_change_arrays(part, old, flat.take(part), *weights)
+    return change, strict
+
+
+def _derived(
+    params: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    base: Mapping[str, int],
+    changes: Mapping[int, Sequence[torch.Tensor | int]],
+    ascending: Mapping[int, Sequence[torch.Tensor | bool]],
+) -> tuple[dict[str, int], tuple[str, ...]]:
+    """``({param_name: checksum after}, recomputed)``: each parameter's base checksum plus
+    its sections' `changes` (by index into the sorted `names`); computed over its bytes
+    instead where it has no base or a section was not strictly `ascending`. What a device
+    computed reaches the host in one sync."""
+    found = [x for index in changes for x in (*changes[index], *ascending[index])]
+    pending = [x.to(torch.int64) for x in found if isinstance(x, torch.Tensor)]
+    synced = iter(torch.stack(pending).tolist() if pending else ())
+
+    def value(x: torch.Tensor | int | bool) -> int:
+        return int(next(synced)) if isinstance(x, torch.Tensor) else int(x)
+
+    total: dict[str, int] = {}
+    recompute = {name for name in params if name not in base}
+    for index in changes:
+        moved = [value(x) for x in changes[index]]
+        strict = [value(x) for x in ascending[index]]
+        total[names[index]] = sum(moved)
+        if not all(strict):
+            recompute.add(names[index])
+    recomputed = tuple(name for name in params if name in recompute)
+    full = checksums({name: params[name] for name in recomputed})
+    after = {
+        name: full[name] if name in recompute else _wrap_int64(base[name] + total.get(name, 0))
+        for name in params
+    }
+    return after, recomputed
+
+
+def _wrap_int64(value: int) -> int:
+    """`value` modulo 2**64 as a signed 64-bit integer (a checksum's range)."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 # --- the checksum -------------------------------------------------------------------------
@@ -433,18 +618,60 @@ def checksum_tensor(param: torch.Tensor) -> torch.Tensor:
     and every column sum at once.
     """
     words = _words(param)
+    if words.device.type == "cpu":
+        return torch.tensor(_host_checksum(words))
+    return _device_checksum(words)
+
+
+def _device_checksum(words: torch.Tensor) -> torch.Tensor:
+    """`checksum_tensor` of int64 `words` with torch ops, on their device."""
     rows, row_w, col_w, tail_w = _weights(words.numel(), words.device)
     grid = words[: rows * CHECK_ROW_WORDS].view(rows, CHECK_ROW_WORDS)
     total = (grid.sum(dim=1) * row_w).sum() + (grid.sum(dim=0) * col_w).sum()
     return total + (words[rows * CHECK_ROW_WORDS :] * tail_w).sum()
 
 
+# Rows of the grid a host checksum sums at a time (1 MiB): its column sums and its row
+# sums both come from the cache, so memory is read once.
+_HOST_ROWS = 256
+
+
+def _host_checksum(words: torch.Tensor) -> int:
+    """`checksum_tensor` of int64 host `words` with numpy: one read of memory, where
+    torch's column sum over a tall grid runs at half memory speed and its row sum reads the
+    bytes a second time. numpy's int64 sums wrap as torch's do."""
+    rows, row_w, col_w, tail_w = _weights(words.numel(), words.device)
+    flat = words.numpy()
+    grid = flat[: rows * CHECK_ROW_WORDS].reshape(rows, CHECK_ROW_WORDS)
+    row_sums = np.empty(rows, dtype=np.int64)
+    col_sums = np.zeros(CHECK_ROW_WORDS, dtype=np.int64)
+    part = np.empty(CHECK_ROW_WORDS, dtype=np.int64)
+    for start in range(0, rows, _HOST_ROWS):
+        block = grid[start : start + _HOST_ROWS]
+        np.add.reduce(block, axis=0, out=part)
+        col_sums += part
+        np.add.reduce(block, axis=1, out=row_sums[start : start + _HOST_ROWS])
+    row_sums *= row_w.numpy()
+    col_sums *= col_w.numpy()
+    tail = flat[rows * CHECK_ROW_WORDS :] * tail_w.numpy()
+    # Python ints from here: numpy warns where two int64 scalars wrap.
+    parts = (row_sums.sum(dtype=np.int64), col_sums.sum(dtype=np.int64), tail.sum(dtype=np.int64))
+    return _wrap_int64(sum(int(part) for part in parts))
+
+
 def checksums(params: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """``{name: checksum}`` of `params` (one host sync for all of them)."""
-    if not params:
-        return {}
-    values = torch.stack([checksum_tensor(p).cpu() for p in params.values()])
-    return dict(zip(params, values.tolist(), strict=True))
+    """``{name: checksum}`` of `params` (one host sync per device for all of them)."""
+    found: dict[str, int] = {}
+    on_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, param in params.items():
+        if param.device.type == "cpu":
+            found[name] = _host_checksum(_words(param))
+        else:
+            on_device.setdefault(param.device, []).append((name, checksum_tensor(param)))
+    for pairs in on_device.values():
+        values = torch.stack([value for _, value in pairs]).tolist()
+        found.update((name, value) for (name, _), value in zip(pairs, values, strict=True))
+    return {name: found[name] for name in params}
 
 
 def checksum_change(
@@ -513,27 +740,56 @@ def _host_change(
     col_w: torch.Tensor,
     tail_w: torch.Tensor,
 ) -> int:
-    """`checksum_change` on the host, with numpy (its int64 arithmetic wraps as torch's
-    does, in fewer passes)."""
-    size = new.element_size()
+    """`checksum_change` on the host (`_host_change_arrays` of the tensors' arrays)."""
+    return _host_change_arrays(
+        elements.numpy(),
+        old.numpy(),
+        new.numpy(),
+        rows,
+        row_w.numpy(),
+        col_w.numpy(),
+        tail_w.numpy(),
+    )
+
+
+def _host_weights(num_words: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """`_weights` of a host parameter of `num_words`, as numpy arrays."""
+    rows, row_w, col_w, tail_w = _weights(num_words, torch.device("cpu"))
+    return rows, row_w.numpy(), col_w.numpy(), tail_w.numpy()
+
+
+def _host_change_arrays(
+    elements: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    rows: int,
+    row_w: np.ndarray,
+    col_w: np.ndarray,
+    tail_w: np.ndarray,
+) -> int:
+    """`checksum_change` with numpy (its int64 arithmetic wraps as torch's does, in fewer
+    passes), of `elements` (int64) going from `old` to `new` (raw bits, same dtype)."""
+    size = new.itemsize
     unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
-    diff = new.numpy().view(unsigned).astype(np.int64)
-    diff -= old.numpy().view(unsigned).astype(np.int64)
-    byte = elements.numpy() * size
-    word = byte >> 3
+    diff = new.view(unsigned).astype(np.int64)
     if size < 8:
-        diff <<= (byte & 7) << 3
+        diff -= old.view(unsigned)  # widened on the way, no temporary
+        # An element's word and its lane's bit offset in it, by shifts (sizes are powers of 2).
+        per_word = 8 // size
+        word = elements >> (per_word.bit_length() - 1)
+        diff <<= (elements & (per_word - 1)) << ((8 * size).bit_length() - 1)
+    else:
+        diff -= old.view(np.int64)
+        word = elements
     grid_words = rows * CHECK_ROW_WORDS
     if not len(word) or int(word.max()) < grid_words:
-        weight = row_w.numpy()[word >> _ROW_SHIFT]
-        weight += col_w.numpy()[word & (CHECK_ROW_WORDS - 1)]
+        weight = row_w[word >> _ROW_SHIFT]
+        weight += col_w[word & (CHECK_ROW_WORDS - 1)]
     else:
         in_grid = word < grid_words
         weight = np.empty_like(word)
         grid = word[in_grid]
-        weight[in_grid] = (
-            row_w.numpy()[grid >> _ROW_SHIFT] + col_w.numpy()[grid & (CHECK_ROW_WORDS - 1)]
-        )
-        weight[~in_grid] = tail_w.numpy()[word[~in_grid] - grid_words]
+        weight[in_grid] = row_w[grid >> _ROW_SHIFT] + col_w[grid & (CHECK_ROW_WORDS - 1)]
+        weight[~in_grid] = tail_w[word[~in_grid] - grid_words]
     diff *= weight
     return int(diff.sum(dtype=np.int64))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -392,6 +392,7 @@ class RolloutClient(AsyncHttpClient):
         *,
         session_token: str | None,
         ranks: Mapping[int, tuple[Sequence[tuple[int, int]], Mapping[str, int]]],
+        check: Literal["changes", "full"] = "changes",
         timeout_s: float | None = None,
     ) -> dict[int, ApplyDeltaRank]:
         """``POST /weightsync/apply_delta`` (servers with capability ``weight_sync_delta``):
@@ -404,6 +405,10 @@ class RolloutClient(AsyncHttpClient):
                 ``(offset, num_bytes)`` of its payloads in its delta region, in the order
                 to apply them, and ``{param_name: checksum}`` each changed parameter must
                 hold after them.
+            check: how the ranks check them: ``"changes"`` derives each parameter's
+                checksum after from the one it read at `delta_checksums` in this session
+                and the elements written; ``"full"`` reads every byte again, which also
+                sees bytes written since into elements no payload changed.
             timeout_s: this call's timeout.
 
         Returns:
@@ -424,6 +429,7 @@ class RolloutClient(AsyncHttpClient):
                 )
                 for rank, (payloads, expected) in ranks.items()
             },
+            check=check,
         )
         response = await self._call("POST", route, body=body, timeout_s=timeout_s)
         reply = self._parse(response, ApplyDeltaResponse, route=route)

@@ -194,10 +194,16 @@ class ApplyDeltaRankRequest(_Request):
 class ApplyDeltaRequest(_Request):
     """``POST /weightsync/apply_delta`` (capability ``weight_sync_delta``): apply the delta
     payloads inside the open session and check them; ``ranks`` holds every tp rank (a
-    decimal string) of the replica, ``session_token`` a leased session's token."""
+    decimal string) of the replica, ``session_token`` a leased session's token. ``check``:
+    ``"changes"`` derives each parameter's checksum after from the one the rank read over
+    every byte at ``/weightsync/delta_checksums`` in this session and the elements written
+    (a rank without that read reads every byte); ``"full"`` reads every byte after
+    applying, which also sees bytes written since that read into elements no payload
+    changed."""
 
     session_token: str | None = None
     ranks: dict[int, ApplyDeltaRankRequest]
+    check: Literal["changes", "full"] = "changes"
 
 
 class UpdateWeightVersionRequest(_Request):
@@ -378,7 +384,9 @@ class ApplyDeltaRank(_Response):
     ``checksums``: ``{param_name: checksum}`` of every parameter after applying (the next
     base); ``error``: why a payload was refused (it changed nothing; the ones before it were
     applied), or null; ``verified``: no error and nothing mismatched; ``seconds``: what
-    applying and checking took.
+    applying and checking took; ``check``: how the checksums after were found,
+    ``"changes"`` (derived from the base and the elements written) or ``"full"`` (every
+    byte read).
     """
 
     num_elements: int
@@ -387,6 +395,7 @@ class ApplyDeltaRank(_Response):
     error: str | None = None
     verified: bool = False
     seconds: float = 0.0
+    check: Literal["changes", "full"] = "full"
 
 
 class ApplyDeltaResponse(SuccessResponse):

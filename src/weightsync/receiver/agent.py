@@ -15,7 +15,7 @@ import torch
 from weightsync.control.bootstrap_client import BootstrapClient
 from weightsync.control.models import Selector
 from weightsync.cuda_events import StreamGate
-from weightsync.delta_codec import checksums
+from weightsync.delta_codec import CHECKS, Check, checksums
 from weightsync.errors import WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.checker import CheckResult, WeightsChecker
@@ -57,6 +57,10 @@ class _Session:
         expected: the trainers' digests `prepare_end` put in that order (None: none sent).
         delta: whether every `RolloutAgent.apply_delta` of the session verified (None: it
             applied none); False decides the end: not verified, whatever digests come.
+        delta_base: ``{param_name: checksum}`` this rank holds as far as the session knows:
+            what `RolloutAgent.delta_checksums` computed over every byte in it, then moved by
+            each delta it applied (the base a delta's ``"changes"`` check derives from);
+            None before that read, and after anything else the rank wrote itself.
     """
 
     selector: str
@@ -65,6 +69,7 @@ class _Session:
     changed_outside: tuple[str, ...] = ()
     expected: np.ndarray | None = None
     delta: bool | None = None
+    delta_base: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -485,23 +490,40 @@ class RolloutAgent:
 
     def delta_checksums(self) -> dict[str, int]:
         """``{param_name: checksum}`` (`weightsync.delta_codec.checksums`) of what every
-        parameter holds now; read-only, any time."""
-        return checksums(self._params)
+        parameter holds now, read over every byte; read-only, any time. Inside an open
+        session (not yet ending) the rank keeps them: they are the base its deltas'
+        ``"changes"`` check derives from (`apply_delta`)."""
+        sums = checksums(self._params)
+        session = self._session
+        if session is not None and session.state is not SessionState.ENDING:
+            session.delta_base = dict(sums)
+        return sums
 
     def apply_delta(
-        self, payloads: Sequence[tuple[int, int]], expected: Mapping[str, int]
+        self,
+        payloads: Sequence[tuple[int, int]],
+        expected: Mapping[str, int],
+        *,
+        check: Check = "changes",
     ) -> DeltaResult:
         """Apply the delta payloads the trainers wrote into the delta region, in order, and
-        check every parameter against the checksums they expect; the session remembers the
-        verdict for `end_update`.
+        check every changed parameter against the checksums they expect; the session
+        remembers the verdict for `end_update`.
 
         A payload that is not a valid delta stops the apply: it changed nothing, but the
         payloads before it stay applied, so the result (with its ``error``) is not verified.
+
+        The ``"changes"`` check derives each parameter's checksum after from the base this
+        session read (`delta_checksums`) and the elements the payloads wrote, as read before
+        and after each write (`weightsync.delta_codec.apply_and_check` says what it proves
+        and what only a full pass does); without that read in this session it reads every
+        byte, as ``"full"`` always does.
 
         Args:
             payloads: ``(offset, num_bytes)`` of each payload inside the delta region.
             expected: ``{param_name: checksum}`` each changed parameter must hold after
                 applying (the base's checksum plus the trainers' change).
+            check: ``"changes"`` or ``"full"``.
 
         Returns:
             What was written and the checksums of every parameter after it; ``mismatched``
@@ -510,8 +532,9 @@ class RolloutAgent:
 
         Raises:
             UpdateSessionError: no session is open, or its end is being prepared.
-            ValueError: this rank has no delta region, a payload lies outside it, or
-                `expected` names a parameter the rank does not have; nothing was applied.
+            ValueError: this rank has no delta region, a payload lies outside it,
+                `expected` names a parameter the rank does not have, or `check` is unknown;
+                nothing was applied.
         """
         session = self._open_session()
         rank = f"tp rank {self._parallelism.tp_rank}"
@@ -525,11 +548,19 @@ class RolloutAgent:
                 f"{rank} has no delta region (its agent was built with delta_region_bytes=0); "
                 "it takes full syncs only"
             )
+        if check not in CHECKS:
+            raise ValueError(f"{rank}: check must be one of {CHECKS}, got {check!r}")
         views = self._delta_region.payloads(payloads, where=rank)
         # A fenced begin's digest reads the parameters on the GPU: read it before they change.
         self._digests_at_begin(session)
-        result = apply_deltas(views, self._params, expected, where=rank)
+        base, session.delta_base = session.delta_base, None  # unknown if it fails midway
+        try:
+            result = apply_deltas(views, self._params, expected, where=rank, base=base, check=check)
+        except ValueError:
+            session.delta_base = base  # refused before anything was written
+            raise
         session.delta = result.verified and session.delta is not False
+        session.delta_base = dict(result.checksums)
         return result
 
     def weights_checker(
@@ -555,6 +586,9 @@ class RolloutAgent:
         if action == "reset_tensors" and self._session is None:
             # A change the engine made itself, not one from outside a session.
             self._reference = self._digests.compute_values()
+        elif action == "reset_tensors":
+            # Written after the session's base was read: a delta's check reads every byte.
+            self._session.delta_base = None
         return result
 
     def close(self) -> None:

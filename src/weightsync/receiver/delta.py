@@ -2,8 +2,11 @@
 
 A trainer writes, per rollout rank, one payload (`weightsync.delta_codec`) per trainer
 source rank into the rank's *delta region*, one-sidedly. The rank applies them in place,
-then checks every parameter's checksum against what the trainers expect (the base the rank
-proved plus the change they computed): equal checksums mean the bytes the trainers meant.
+then checks every changed parameter's checksum against what the trainers expect (the base
+the rank proved plus the change they computed): equal checksums mean the bytes the trainers
+meant. By default the checksums after are derived from that base and the elements written
+(``check="changes"``, `weightsync.delta_codec.apply_and_check`); ``check="full"`` reads
+every byte again.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.delta_codec import apply_and_check
+from weightsync.delta_codec import Check, apply_and_check
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
@@ -37,6 +40,10 @@ class DeltaResult:
         seconds: what applying and checking took.
         error: why a payload could not be applied (a `DeltaFormatError`), or None; the
             payloads before it were applied, it and those after it were not.
+        check: how the checksums after were found: ``"changes"`` (derived from the base
+            and the elements written) or ``"full"`` (every byte read).
+        recomputed: under ``"changes"``, the parameters whose checksum was read over all
+            their bytes instead (`weightsync.delta_codec.Checked.recomputed`).
     """
 
     num_elements: int
@@ -44,6 +51,8 @@ class DeltaResult:
     checksums: dict[str, int]
     seconds: float
     error: str | None = None
+    check: str = "full"
+    recomputed: tuple[str, ...] = ()
 
     @property
     def verified(self) -> bool:
@@ -124,8 +133,10 @@ def apply_deltas(
     expected: Mapping[str, int],
     *,
     where: str,
+    base: Mapping[str, int] | None = None,
+    check: Check = "changes",
 ) -> DeltaResult:
-    """Apply `payloads` in order to `params`, then check every parameter's checksum.
+    """Apply `payloads` in order to `params`, then check every changed parameter's checksum.
 
     A payload that is not a valid delta (`DeltaFormatError`) stops there: it changed
     nothing, the ones before it stay applied, and the result carries the error.
@@ -137,9 +148,14 @@ def apply_deltas(
         expected: ``{param_name: checksum}`` the trainers expect after applying, for the
             parameters they changed.
         where: the rank, as an error names it.
+        base: ``{param_name: checksum}`` the rank read over every byte of `params` (and
+            reported) before these payloads, nothing else written since; None: no such
+            read, the check reads every byte after applying.
+        check: ``"changes"`` (derive the checksums after from `base`) or ``"full"``.
 
     Raises:
-        ValueError: `expected` names a parameter the rank does not have (nothing applied).
+        ValueError: `expected` names a parameter the rank does not have, or `check` is
+            unknown (nothing applied).
     """
     unknown = sorted(set(expected) - set(params))
     if unknown:
@@ -148,7 +164,7 @@ def apply_deltas(
             f"({', '.join(unknown[:5])}); nothing was applied"
         )
     start = time.perf_counter()
-    checked = apply_and_check(payloads, params, expected)
+    checked = apply_and_check(payloads, params, expected, base=base, check=check)
     error = None
     if checked.refused is not None:
         index = checked.refused
@@ -164,4 +180,6 @@ def apply_deltas(
         checksums=checked.checksums,
         seconds=time.perf_counter() - start,
         error=error,
+        check=checked.check,
+        recomputed=checked.recomputed,
     )

@@ -55,6 +55,7 @@ class DeltaReference:
         self._token: object | None = None
         self._dtypes: dict[str, torch.dtype] = {}
         self._cast: dict[torch.dtype, torch.Tensor] = {}
+        self._compare: np.ndarray | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -108,11 +109,13 @@ class DeltaReference:
         """The elements of `tensor` (any dtype: cast to the rollout's, ``dtype_name``) that
         differ from its reference, which then holds `tensor`'s bytes.
 
-        On the host the tensor is read in cache-sized chunks, each cast into one reused
-        buffer and compared with the reference eight bytes at a time: the elements of only
-        the words that differ are compared one by one (8 GB/s of bytes read on one core of
-        this project's CI machine, where torch's ``!=`` + ``nonzero`` reach 1.3). On a GPU
-        the whole tensor is compared at once.
+        With the reference on a device, the whole tensor is cast and compared there at
+        once. With it in host memory, the tensor (cast on its device first when it is not
+        on the host) is read in cache-sized chunks: each is cast into one reused buffer and
+        compared with the reference eight bytes at a time into one reused mask, and only the
+        words that differ are gathered and written into the reference; those words are split
+        into their elements once per tensor, not once per chunk. Memory sees one read of
+        the tensor and one of the reference, and a write of the changed words only.
 
         Raises:
             ValueError: no reference of ``hf_name`` in this dtype and size (the caller
@@ -127,84 +130,117 @@ class DeltaReference:
                 f"no delta reference of {hf_name!r} ({dtype_name}, {flat.numel()} elements): "
                 "its last push did not record it, so no target can take a delta of it"
             )
-        if ref.device != flat.device or flat.device.type != "cpu":
+        if ref.device.type != "cpu":
             bits = as_bits(flat.to(device=ref.device, dtype=dtype).contiguous())
-            return _changes(bits, ref, 0)
-        pieces = []
-        for start in range(0, flat.numel(), _HOST_CHUNK):
-            piece = flat[start : start + _HOST_CHUNK]
-            if piece.dtype == dtype:
-                bits = as_bits(piece.contiguous())
-            else:
-                buffer = self._buffer(dtype, piece.numel())
-                buffer.copy_(piece)
-                bits = as_bits(buffer)
-            changes = _changes(bits, ref[start : start + piece.numel()], start)
-            if changes.elements.numel():
-                pieces.append(changes)
-        if not pieces:
-            empty = ref[:0]
-            return Changes(
-                elements=torch.zeros(0, dtype=torch.int64), old=empty, new=empty, numel=ref.numel()
-            )
+            return _device_changes(bits, ref)
+        if flat.device.type != "cpu":
+            # Cast where the tensor lives (half the bytes to move for fp32 -> bf16), compare
+            # on the host.
+            flat = flat.to(dtype=dtype).to("cpu")
+        return self._host_changes(flat, ref, dtype)
+
+    def _host_changes(self, flat: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Changes:
+        """`encode` against a host reference: `flat` (host, any dtype) in chunks."""
+        ref_np = ref.numpy()
+        element = ref_np.dtype
+        # Eight bytes at a time where the reference is aligned; element by element otherwise.
+        per_word = 8 // element.itemsize if ref.data_ptr() % 8 == 0 else 1
+        word = np.dtype(np.int64) if per_word > 1 else element
+        numel = flat.numel()
+        whole = numel - numel % per_word
+        ref_words = ref_np[:whole].view(word)
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for start in range(0, whole, _HOST_CHUNK):
+            stop = min(start + _HOST_CHUNK, whole)
+            new_words = self._chunk_bits(flat[start:stop], dtype).view(word)
+            ref_chunk = ref_words[start // per_word : stop // per_word]
+            words = self._differing(new_words, ref_chunk)
+            if words.size:
+                new, old = new_words.take(words), ref_chunk.take(words)
+                ref_chunk.put(words, new)
+                words += start // per_word
+                found.append((words, new, old))
+        elements, new, old = _split_words(found, per_word, element)
+        if whole < numel:  # the last elements, fewer than a word
+            tail = self._chunk_bits(flat[whole:], dtype)
+            ref_tail = ref_np[whole:]
+            differ = np.flatnonzero(tail != ref_tail)
+            elements = np.concatenate([elements, differ + whole])
+            new = np.concatenate([new, tail[differ]])
+            old = np.concatenate([old, ref_tail[differ]])
+            ref_tail[differ] = tail[differ]
         return Changes(
-            elements=torch.cat([p.elements for p in pieces]),
-            old=torch.cat([p.old for p in pieces]),
-            new=torch.cat([p.new for p in pieces]),
-            numel=ref.numel(),
+            elements=torch.from_numpy(elements),
+            old=torch.from_numpy(old),
+            new=torch.from_numpy(new),
+            numel=numel,
         )
 
-    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A reused host buffer of `numel` elements of `dtype` (a chunk cast into it)."""
+    def _chunk_bits(self, piece: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+        """`piece`'s raw bits in `dtype` as numpy: a view where it already is that dtype,
+        contiguous and aligned, else cast into a reused host buffer."""
+        if piece.dtype == dtype and piece.is_contiguous() and piece.data_ptr() % 8 == 0:
+            return as_bits(piece).numpy()
         buffer = self._cast.get(dtype)
         if buffer is None:
             buffer = self._cast[dtype] = torch.empty(_HOST_CHUNK, dtype=dtype)
-        return buffer[:numel]
+        buffer = buffer[: piece.numel()]
+        buffer.copy_(piece)
+        return as_bits(buffer).numpy()
+
+    def _differing(self, new_words: np.ndarray, ref_words: np.ndarray) -> np.ndarray:
+        """The indices (ascending) of the words where `new_words` and `ref_words` differ,
+        compared into one reused mask.
+
+        numpy finds the nonzeros of a bool array with a branchless loop above 10 % of them
+        and a skip-the-zeros loop below, which mispredicts a branch at every changed word
+        when they are a few percent and scattered (a delta's case): twice as slow. The mask
+        is followed by a ninth of its length set, so the branchless loop always runs; the
+        indices of that tail are dropped.
+        """
+        size = new_words.size
+        pad = size // 9 + 1
+        if self._compare is None or self._compare.size < size + pad:
+            self._compare = np.empty(size + pad, dtype=np.bool_)
+        mask = self._compare[: size + pad]
+        np.not_equal(new_words, ref_words, out=mask[:size])
+        mask[size:] = True
+        found = mask.nonzero()[0]
+        return found[: found.size - pad]
 
 
-# Elements per host chunk: the chunk's cast, bits and masks stay in the cache.
-_HOST_CHUNK = 1 << 18
+# Elements per host chunk: the chunk's cast (1 MiB of bf16), its reference and the compare's
+# mask stay in the cache between the passes over them, and the Python of a chunk (a few
+# calls) stays a small part of its time.
+_HOST_CHUNK = 1 << 19
 
 
-def _changes(bits: torch.Tensor, ref: torch.Tensor, offset: int) -> Changes:
-    """Where `bits` differ from `ref` (same dtype and size), which then holds `bits`;
-    element indices shifted by `offset`."""
-    if bits.device.type == "cpu":
-        return _host_changes(bits, ref, offset)
+def _split_words(
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]], per_word: int, element: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(elements, new, old)`` of the elements that differ inside the changed words
+    `found` (``(word indices, new words, old words)`` per chunk), ascending."""
+    if not found:
+        empty = np.zeros(0, dtype=element)
+        return np.zeros(0, dtype=np.int64), empty, empty.copy()
+    words = np.concatenate([f[0] for f in found])
+    new_words = np.concatenate([f[1] for f in found])
+    old_words = np.concatenate([f[2] for f in found])
+    if per_word == 1:
+        return words, new_words, old_words
+    new_lanes, old_lanes = new_words.view(element), old_words.view(element)
+    lanes = np.flatnonzero(new_lanes != old_lanes)
+    shift = per_word.bit_length() - 1
+    elements = words.take(lanes >> shift)
+    elements <<= shift
+    elements |= lanes & (per_word - 1)
+    return elements, new_lanes.take(lanes), old_lanes.take(lanes)
+
+
+def _device_changes(bits: torch.Tensor, ref: torch.Tensor) -> Changes:
+    """Where `bits` differ from `ref` (same dtype, size and device), which then holds
+    `bits`: one compare over the whole tensor."""
     elements = torch.ne(bits, ref).nonzero().reshape(-1)
     new, old = bits[elements], ref[elements]
     ref[elements] = new
-    return Changes(elements=elements + offset, old=old, new=new, numel=ref.numel())
-
-
-def _host_changes(bits: torch.Tensor, ref: torch.Tensor, offset: int) -> Changes:
-    """`_changes` on the host, with numpy: its nonzero is several times faster than
-    torch's on CPU. Eight bytes are compared at a time where both are aligned; only the
-    words that differ are looked at element by element."""
-    new_np, ref_np = bits.numpy(), ref.numpy()
-    per_word = 8 // new_np.itemsize
-    if (
-        per_word > 1
-        and new_np.size % per_word == 0
-        and bits.data_ptr() % 8 == 0
-        and ref.data_ptr() % 8 == 0
-    ):
-        new_words, ref_words = new_np.view(np.int64), ref_np.view(np.int64)
-        words = np.flatnonzero(new_words != ref_words)
-        differ = (new_words[words] ^ ref_words[words]).view(new_np.dtype) != 0
-        lanes = np.flatnonzero(differ)
-        shift = per_word.bit_length() - 1
-        elements = (words[lanes >> shift] << shift) + (lanes & (per_word - 1))
-    else:
-        elements = np.flatnonzero(new_np != ref_np)
-    new = new_np[elements]
-    old = ref_np[elements]
-    ref_np[elements] = new
-    if offset:
-        elements += offset
-    return Changes(
-        elements=torch.from_numpy(elements),
-        old=torch.from_numpy(old),
-        new=torch.from_numpy(new),
-        numel=ref.numel(),
-    )
+    return Changes(elements=elements, old=old, new=new, numel=ref.numel())

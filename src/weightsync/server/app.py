@@ -397,7 +397,9 @@ def create_main_app(
         the weights are then incomplete and the session's end will not verify)."""
         ranks = {rank: (entry.payloads, entry.expected) for rank, entry in body.ranks.items()}
         try:
-            problem, results = await controller.apply_delta(body.session_token, ranks)
+            problem, results = await controller.apply_delta(
+                body.session_token, ranks, check=body.check
+            )
         except ControlError as exc:
             if exc.status_code != 400:
                 raise
@@ -433,6 +435,7 @@ def _delta_reply(result: DeltaResult) -> dict[str, Any]:
         "error": result.error,
         "verified": result.verified,
         "seconds": result.seconds,
+        "check": result.check,
     }
 
 

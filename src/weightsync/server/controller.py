@@ -406,7 +406,7 @@ class ReplicaController:
         return await self._engine.run(DeltaChecksums())
 
     async def apply_delta(
-        self, token: str | None, ranks: Mapping[int, RankDelta]
+        self, token: str | None, ranks: Mapping[int, RankDelta], *, check: str = "changes"
     ) -> tuple[str | None, list[DeltaResult]]:
         """Apply the delta payloads trainers wrote into every rank's delta region, inside
         the open session, and check them (`ReplicaSession.apply_delta`). A delta that does
@@ -416,6 +416,8 @@ class ReplicaController:
         Args:
             token: the session token (required for a leased session).
             ranks: per tp rank (every one), its payloads and expected checksums.
+            check: how the ranks check them (``"changes"`` or ``"full"``,
+                `weightsync.delta_codec.apply_and_check`).
 
         Returns:
             The problem (None when every rank verified) and each rank's result, by tp rank.
@@ -433,7 +435,7 @@ class ReplicaController:
                 status_code=400,
             )
         session = self._holder(token, "apply_delta")
-        return await session.apply_delta(delta_command(self.info, ranks))
+        return await session.apply_delta(delta_command(self.info, ranks, check=check))
 
     def _holder(self, token: str | None, route: str) -> ReplicaSession:
         """The open session, if `token` may act on it (`ReplicaSession.check_holder`)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from weightsync.delta_codec import CHECKS
 from weightsync.receiver.delta import PAYLOAD_ALIGNMENT, DeltaResult
 from weightsync.server.http import ControlError
 from weightsync.server.integrity import names
@@ -24,15 +25,23 @@ RankDelta = tuple[Sequence[tuple[int, int]], Mapping[str, int]]
 and ``{param_name: checksum}`` its changed parameters must hold after them."""
 
 
-def delta_command(info: ReplicaInfo, ranks: Mapping[int, RankDelta]) -> ApplyDelta:
+def delta_command(
+    info: ReplicaInfo, ranks: Mapping[int, RankDelta], *, check: str = "changes"
+) -> ApplyDelta:
     """The command that applies `ranks`' deltas on every rank, checked against what each
-    rank published.
+    rank published, each rank checking them by `check` (``"changes"`` or ``"full"``,
+    `weightsync.delta_codec.apply_and_check`).
 
     Raises:
         ControlError: 400 for a rank missing or unknown, a payload outside its rank's delta
-            region (or not at an 8-byte offset), or a checksum of a parameter its rank does
-            not have.
+            region (or not at an 8-byte offset), a checksum of a parameter its rank does
+            not have, or an unknown `check`.
     """
+    if check not in CHECKS:
+        raise ControlError(
+            f"apply_delta: check must be one of {list(CHECKS)}, got {check!r}; nothing was applied",
+            status_code=400,
+        )
     num_ranks = info.num_ranks
     missing = sorted(set(range(num_ranks)) - set(ranks))
     unknown = sorted(set(ranks) - set(range(num_ranks)))
@@ -73,7 +82,7 @@ def delta_command(info: ReplicaInfo, ranks: Mapping[int, RankDelta]) -> ApplyDel
             )
         payloads.append(tuple((int(o), int(n)) for o, n in spans))
         expected.append(dict(sums))
-    return ApplyDelta(payloads=tuple(payloads), expected=tuple(expected))
+    return ApplyDelta(payloads=tuple(payloads), expected=tuple(expected), check=check)
 
 
 def delta_problem(results: Sequence[DeltaResult]) -> str | None:

@@ -90,10 +90,13 @@ class ApplyDelta:
     Attributes:
         payloads: per tp rank, the ``(offset, num_bytes)`` of its payloads in its region.
         expected: per tp rank, ``{param_name: checksum}`` its changed parameters must hold.
+        check: how every rank checks them: ``"changes"`` or ``"full"``
+            (`weightsync.delta_codec.apply_and_check`).
     """
 
     payloads: tuple[tuple[tuple[int, int], ...], ...]
     expected: tuple[dict[str, int], ...]
+    check: str = "changes"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -339,8 +339,10 @@ class RankRuntime:
                 )
             case DeltaChecksums():
                 return self.agent.delta_checksums()
-            case ApplyDelta(payloads=payloads, expected=expected):
-                return self.agent.apply_delta(payloads[self.tp_rank], expected[self.tp_rank])
+            case ApplyDelta(payloads=payloads, expected=expected, check=check):
+                return self.agent.apply_delta(
+                    payloads[self.tp_rank], expected[self.tp_rank], check=check
+                )
             case FlushCache(empty_device_cache=empty_device_cache):
                 # The engine keeps no prefix cache across requests (each request's KV cache
                 # is its own); what remains is returning cached allocator memory. No
