@@ -23,9 +23,17 @@ on the host; each push is predicted with the constants fitted after it, and the 
 compared. Prints a table (predicted, measured, error) and one JSON line (``points``, each
 with its fitted constants, and ``max_abs_error``).
 
+With ``--cluster`` it measures nothing and predicts instead the cluster the issue targets:
+Kimi-K2 as it ships (FP8), 256 trainer GPUs (tp 8, pp 4, dp 8) into 8 replicas of tp 16 /
+ep 16 (128 GPUs), 400 Gb/s per NIC, one NIC per GPU: the full sync (`predict_sync`) and, at
+each of ``--delta-densities`` (bf16 elements; FP8 codes a tenth of it, scales all, as
+`bench/density.py` measured), the delta sync (`weightsync.predict.delta`) phase by phase,
+with device rates fitted from `bench/delta_kernels.py` on one H200 (`DeltaRates.h200`).
+
     python bench/simulate.py                         # dense-256m; 1x1, 2x1, 2x2, 3x2 on CPU
     python bench/simulate.py --quick                 # tiny, two points
     python bench/simulate.py --device cuda --points 1x1 --trainer-ranks 1 --preset dense-1g
+    python bench/simulate.py --cluster               # Kimi-K2 FP8, 256 -> 128 GPUs, delta
 """
 
 from __future__ import annotations
@@ -54,18 +62,38 @@ from common import (
     HostCeiling,
     log,
     median,
+    print_table,
     workload_config,
     write_config,
 )
 from sync import launch
 from weightsync.layout.dtypes import canonical_dtype_name
 from weightsync.plan import build_plan, simulate_sources, simulate_targets
-from weightsync.predict import NetworkModel, plan_schedule, simulate
+from weightsync.predict import (
+    DeltaDensity,
+    DeltaRates,
+    NetworkModel,
+    TrainerShape,
+    delta_prediction,
+    plan_schedule,
+    predict_sync,
+    simulate,
+)
 from weightsync.testing.trainers import SyncTrainers, TrainerSpec
 
 METHOD = "p2p-nodigest"
 SMALL_WRITES = 2048  # writes in the per-write fit
 SMALL_WRITE_BYTES = 16 * KIB
+
+# The issue's "Cluster" target: Kimi-K2 FP8 from 256 trainer GPUs into 128 rollout GPUs at
+# 400 Gb/s (the cluster of tests/test_predict.py's 1T case).
+CLUSTER_CONFIG = Path(__file__).resolve().parent.parent / "src/weightsync/configs/kimi-k2.json"
+CLUSTER_TRAINER = TrainerShape(num_gpus=256, tp=8, pp=4)
+CLUSTER_ROLLOUT = {"rollout_tp": 16, "rollout_ep": 16, "replicas": 8}
+CLUSTER_NIC_GBPS = 400.0
+CLUSTER_TARGET_S = 0.2
+# bf16 elements changed per step at lr 1e-6 (bench/density.py): 3.7 % at first, 1.8 % settled.
+CLUSTER_DENSITIES = (0.018, 0.02, 0.037)
 
 
 class HostFit:
@@ -253,6 +281,97 @@ def measure_point(
     }
 
 
+def predict_cluster(densities: list[float]) -> dict[str, Any]:
+    """The full and the delta sync of the issue's cluster, and one row per density."""
+    config = json.loads(CLUSTER_CONFIG.read_text())
+    network = NetworkModel(nic_gbps=CLUSTER_NIC_GBPS)
+    log("Kimi-K2 FP8, 256 -> 128 GPUs: planning and simulating the full sync")
+    full = predict_sync(
+        config, trainer=CLUSTER_TRAINER, network=network, fp8=True, **CLUSTER_ROLLOUT
+    )
+    rates = DeltaRates.h200()
+    rows = []
+    for density in densities:
+        log(f"  delta at {density:.2%} of bf16 elements")
+        delta = delta_prediction(full, config, density=DeltaDensity.measured(density), rates=rates)
+        rows.append(
+            {
+                "density": dataclasses.asdict(delta.density),
+                "bytes": delta.num_bytes,
+                "byte_ratio": delta.byte_ratio,
+                "find_s": delta.find_s,
+                "layout_s": delta.layout_s,
+                "encode_s": delta.encode_s,
+                "wire_s": delta.wire_s,
+                "wire_lower_bound_s": delta.wire_lower_bound_s,
+                "checksum_s": delta.checksum_s,
+                "num_checksums": delta.num_checksums,
+                "apply_s": delta.apply_s,
+                "replica_s": delta.replica_s,
+                "total_s": delta.total_s,
+                "bound_by": delta.bound_by,
+                "meets_target": delta.total_s <= CLUSTER_TARGET_S,
+            }
+        )
+    return {
+        "bench": "simulate-cluster",
+        "model": "kimi-k2 (fp8)",
+        "trainer": dataclasses.asdict(CLUSTER_TRAINER),
+        "rollout": CLUSTER_ROLLOUT,
+        "nic_gbps": CLUSTER_NIC_GBPS,
+        "full_bytes": full.num_bytes,
+        "full_s": full.result.makespan_s,
+        "full_lower_bound_s": full.ideal_lower_bound_s,
+        "target_s": CLUSTER_TARGET_S,
+        "rates": dataclasses.asdict(rates),
+        "deltas": rows,
+    }
+
+
+def print_cluster(summary: dict[str, Any]) -> None:
+    """The cluster's table: the full sync, then each delta's phases."""
+    rows = [
+        [
+            "full",
+            f"{summary['full_bytes'] / 1e12:.3f} TB",
+            "-",
+            f"{summary['full_s']:.3f}",
+            "-",
+            f"{summary['full_s']:.3f}",
+            "wire",
+        ]
+    ]
+    for row in summary["deltas"]:
+        rows.append(
+            [
+                f"delta {row['density']['elements']:.1%}",
+                f"{row['bytes'] / 1e9:.1f} GB ({row['byte_ratio']:.2%})",
+                f"{row['encode_s']:.3f}",
+                f"{row['wire_s']:.3f}",
+                f"{row['replica_s']:.3f}",
+                f"{row['total_s']:.3f}",
+                row["bound_by"],
+            ]
+        )
+    print_table(
+        f"Kimi-K2 FP8: 256 trainer GPUs (tp 8, pp 4) -> 8 x tp 16 ep 16, "
+        f"{summary['nic_gbps']:g} Gb/s per NIC; no full sync beats "
+        f"{summary['full_lower_bound_s']:.3f} s",
+        ["sync", "on the wire", "encode s", "wire s", "replica s", "total s", "bound by"],
+        rows,
+    )
+    for row in summary["deltas"]:
+        verdict = "meets" if row["meets_target"] else "misses"
+        print(
+            f"delta {row['density']['elements']:.1%}: {row['total_s']:.3f} s {verdict} the "
+            f"{summary['target_s']:g} s target; replica = "
+            f"{row['num_checksums']} x checksum "
+            f"{row['checksum_s'] * 1e3:.1f} ms + apply {row['apply_s'] * 1e3:.1f} ms; encode = "
+            f"find {row['find_s'] * 1e3:.1f} ms + lay out {row['layout_s'] * 1e3:.1f} ms; wire "
+            f"lower bound {row['wire_lower_bound_s'] * 1e3:.1f} ms"
+        )
+
+
 def parse_args(argv: list[str] | None) -> Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), help="default: dense-256m (tiny: --quick)")
@@ -272,7 +391,23 @@ def parse_args(argv: list[str] | None) -> Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="tiny model, two points, one repeat")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="predict the issue's cluster (Kimi-K2 FP8, 256 -> 128 GPUs), full and delta; "
+        "measures nothing",
+    )
+    p.add_argument(
+        "--delta-densities",
+        type=float,
+        nargs="+",
+        default=list(CLUSTER_DENSITIES),
+        help="--cluster: fractions of bf16 elements changed (default: measured at lr 1e-6)",
+    )
     args = p.parse_args(argv)
+    for density in args.delta_densities:
+        if not 0.0 <= density <= 1.0:
+            p.error(f"--delta-densities: {density:g} is not a fraction in [0, 1]")
     if args.quick:
         args.repeats = 1
         args.points = args.points or ["1x1", "2x1"]
@@ -296,8 +431,13 @@ def parse_args(argv: list[str] | None) -> Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every point; print the table and the JSON line."""
+    """Run every point (or predict the cluster); print the table and the JSON line."""
     args = parse_args(argv)
+    if args.cluster:
+        summary = predict_cluster(args.delta_densities)
+        print_cluster(summary)
+        print(json.dumps(summary), flush=True)
+        return 0
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     config = workload_config(args.preset)

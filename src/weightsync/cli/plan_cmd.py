@@ -14,6 +14,9 @@ from rich.table import Table
 from weightsync.checkpoint import load_config_dict
 from weightsync.cli.simulate_cmd import (
     PRESETS,
+    DeltaDensityOption,
+    DeltaFp8CodeDensityOption,
+    DeltaFp8ScaleDensityOption,
     SimulateOptionError,
     SimulateOptions,
     run_simulation,
@@ -109,6 +112,9 @@ def plan(
         Path | None,
         typer.Option(help="--simulate: write a PNG timeline here (needs weightsync[plot])."),
     ] = None,
+    delta_density: DeltaDensityOption = None,
+    delta_fp8_code_density: DeltaFp8CodeDensityOption = None,
+    delta_fp8_scale_density: DeltaFp8ScaleDensityOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Plan a weight sync from trainer sources into rollout replicas, without moving bytes.
@@ -120,7 +126,8 @@ def plan(
 
     With `--simulate`, predicts instead the data phase of the sync on a modelled cluster of
     `--trainer-gpus` and `--rollout-gpus` GPUs at `--nic-gbps`: the network schedule's time,
-    its lower bound and their ratio, the busiest ports, round robin and a broadcast.
+    its lower bound and their ratio, the busiest ports, round robin and a broadcast; with
+    `--delta-density`, also a delta sync on the same schedule, phase by phase.
     """
     if simulate:
         _simulate(
@@ -142,6 +149,9 @@ def plan(
                 fp8=fp8,
                 num_windows=windows,
                 plot=plot,
+                delta_density=delta_density,
+                delta_fp8_code_density=delta_fp8_code_density,
+                delta_fp8_scale_density=delta_fp8_scale_density,
             ),
             as_json,
         )
@@ -153,6 +163,8 @@ def plan(
     try:
         if plot is not None:
             raise _BadOption("--plot", "draws a --simulate run; add --simulate")
+        if delta_density is not None:
+            raise _BadOption("--delta-density", "prices a --simulate run; add --simulate")
         model_config = _config_name(model_config, preset)
         config = _read_config(model_config)
         rollout_dtype = _check_options(

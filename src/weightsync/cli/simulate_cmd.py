@@ -1,13 +1,17 @@
-"""`weightsync plan --simulate`: predict a sync's data phase on a cluster we do not have."""
+"""`weightsync plan --simulate`: predict a sync's data phase on a cluster we do not have.
+
+With ``--delta-density``, also a delta sync on the same schedule (`weightsync.predict.delta`):
+its payload bytes on the wire, the senders' encoding and the replicas' checksums and apply.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import resource
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -16,10 +20,14 @@ from rich.table import Table
 from weightsync.layout import normalize_hf_config
 from weightsync.layout.families import family_for
 from weightsync.predict import (
+    FP8_CODE_DENSITY_RATIO,
+    DeltaDensity,
+    DeltaPrediction,
     NetworkModel,
     Port,
     SyncPrediction,
     TrainerShape,
+    delta_prediction,
     is_fp8_config,
     predict_sync,
 )
@@ -33,6 +41,31 @@ PRESETS: tuple[str, ...] = (
 )
 DEFAULT_ROLLOUT_TP = 8
 DEFAULT_TRAINER_PP = 4
+
+# The delta options, declared once for every command that simulates.
+DeltaDensityOption = Annotated[
+    float | None,
+    typer.Option(
+        "--delta-density",
+        help="--simulate: also predict a delta sync in which this fraction of bf16 (and other "
+        "non-FP8) elements changed, e.g. 0.02 (measured: 2-4 % per step at lr 1e-6).",
+    ),
+]
+DeltaFp8CodeDensityOption = Annotated[
+    float | None,
+    typer.Option(
+        "--delta-fp8-code-density",
+        help=f"--simulate: the fraction of FP8 codes changed [default: --delta-density x "
+        f"{FP8_CODE_DENSITY_RATIO:g}, as measured].",
+    ),
+]
+DeltaFp8ScaleDensityOption = Annotated[
+    float | None,
+    typer.Option(
+        "--delta-fp8-scale-density",
+        help="--simulate: the fraction of FP8 block scales changed [default: 1, as measured].",
+    ),
+]
 
 
 class SimulateOptionError(Exception):
@@ -56,6 +89,10 @@ class SimulateOptions:
         fp8: FP8 rollout bytes; None: as the config ships.
         num_windows: the schedule's layer windows.
         plot: where to write the timeline PNG, or None.
+        delta_density: predict a delta sync too, at this fraction of bf16 (and other
+            non-FP8) elements changed; None: the full sync only.
+        delta_fp8_code_density, delta_fp8_scale_density: the FP8 codes' and scales'
+            fractions; None: derived as measured (`DeltaDensity.measured`).
     """
 
     trainer_gpus: int
@@ -73,6 +110,9 @@ class SimulateOptions:
     fp8: bool | None
     num_windows: int
     plot: Path | None
+    delta_density: float | None = None
+    delta_fp8_code_density: float | None = None
+    delta_fp8_scale_density: float | None = None
 
 
 def run_simulation(
@@ -87,6 +127,7 @@ def run_simulation(
         # Before minutes of planning, not after.
         raise SimulateOptionError("--plot", "needs matplotlib: pip install 'weightsync[plot]'")
     cluster = _resolve(config, options)
+    density = _delta_density(options)
     try:
         network = NetworkModel(
             nic_gbps=options.nic_gbps,
@@ -109,6 +150,8 @@ def run_simulation(
     except ValueError as exc:
         raise SimulateOptionError("--rollout-tp/--rollout-ep", f"{exc}") from exc
     summary = _summary(config, label, cluster, network, prediction)
+    if density is not None:
+        summary["delta"] = _delta_summary(delta_prediction(prediction, config, density=density))
     if options.plot is not None:
         from weightsync.cli.timeline import write_timeline
 
@@ -204,6 +247,57 @@ def _resolve(config: dict[str, Any], o: SimulateOptions) -> dict[str, Any]:
         "rollout_ep": rollout_ep,
         "replicas": replicas,
         "fp8": is_fp8_config(config) if o.fp8 is None else o.fp8,
+    }
+
+
+def _delta_density(o: SimulateOptions) -> DeltaDensity | None:
+    """The delta densities asked for, or None for none."""
+    given = (
+        ("--delta-density", o.delta_density),
+        ("--delta-fp8-code-density", o.delta_fp8_code_density),
+        ("--delta-fp8-scale-density", o.delta_fp8_scale_density),
+    )
+    for option, value in given:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise SimulateOptionError(
+                option, f"must be a fraction in [0, 1], got {value:g} (0.02: 2 % changed)"
+            )
+    if o.delta_density is None:
+        for option, value in given[1:]:
+            if value is not None:
+                raise SimulateOptionError(
+                    option, "prices a delta sync; add --delta-density (the bf16 fraction)"
+                )
+        return None
+    return DeltaDensity.measured(
+        o.delta_density,
+        fp8_codes=o.delta_fp8_code_density,
+        fp8_scales=o.delta_fp8_scale_density,
+    )
+
+
+def _delta_summary(delta: DeltaPrediction) -> dict[str, Any]:
+    return {
+        "density": asdict(delta.density),
+        "bytes": delta.num_bytes,
+        "byte_ratio": delta.byte_ratio,
+        "num_changed": delta.num_changed,
+        "num_full_transfers": delta.num_full_transfers,
+        "encode_s": delta.encode_s,
+        "find_s": delta.find_s,
+        "layout_s": delta.layout_s,
+        "wire_s": delta.wire_s,
+        "wire_lower_bound_s": delta.wire_lower_bound_s,
+        "replica_s": delta.replica_s,
+        "checksum_s": delta.checksum_s,
+        "num_checksums": delta.num_checksums,
+        "apply_s": delta.apply_s,
+        "total_s": delta.total_s,
+        "bound_by": delta.bound_by,
+        "full_s": delta.full_s,
+        "full_lower_bound_s": delta.full_lower_bound_s,
+        "speedup_vs_full": delta.full_s / delta.total_s if delta.total_s else 0.0,
+        "rates": asdict(delta.rates),
     }
 
 
@@ -328,5 +422,50 @@ def _print(summary: dict[str, Any]) -> None:
         f"{summary['bytes'] / 1e12:.3f} TB in {summary['num_transfers']} transfers; "
         f"planned in {summary['plan_s']:.1f} s ({summary['plan_cpu_s']:.1f} s CPU)"
     )
+    if "delta" in summary:
+        console.print(delta_table(summary["delta"]))
+        delta = summary["delta"]
+        console.print(
+            f"delta sync: {delta['total_s']:.3f} s, bound by its {delta['bound_by']} phase; "
+            f"the full sync {delta['full_s']:.3f} s, and no full sync beats "
+            f"{delta['full_lower_bound_s']:.3f} s"
+        )
     if "plot" in summary:
         console.print(f"timeline written to {summary['plot']}")
+
+
+def delta_table(delta: dict[str, Any]) -> Table:
+    """The phases of a delta sync's summary (`_delta_summary`) beside the full sync."""
+    density = delta["density"]
+    table = Table(
+        title=f"Predicted delta sync: {density['elements']:.2%} of elements changed, "
+        f"FP8 codes {density['fp8_codes']:.2%}, scales {density['fp8_scales']:.0%}"
+    )
+    for column in ("phase", "seconds", "what"):
+        table.add_column(column, justify="right" if column == "seconds" else "left")
+    table.add_row(
+        "encode",
+        f"{delta['encode_s']:.3f} s",
+        f"slowest trainer GPU: find changes {delta['find_s'] * 1e3:.1f} ms, "
+        f"lay out {delta['layout_s'] * 1e3:.1f} ms",
+    )
+    table.add_row(
+        "wire",
+        f"{delta['wire_s']:.3f} s",
+        f"{delta['bytes'] / 1e9:.2f} GB ({delta['byte_ratio']:.2%} of full), lower bound "
+        f"{delta['wire_lower_bound_s']:.3f} s",
+    )
+    table.add_row(
+        "replica",
+        f"{delta['replica_s']:.3f} s",
+        f"slowest rollout GPU: {delta['num_checksums']} x checksum "
+        f"{delta['checksum_s'] * 1e3:.1f} ms, "
+        f"apply {delta['apply_s'] * 1e3:.1f} ms",
+    )
+    table.add_row("delta total", f"{delta['total_s']:.3f} s", f"bound by {delta['bound_by']}")
+    table.add_row(
+        "full sync",
+        f"{delta['full_s']:.3f} s",
+        f"network schedule; every byte needs at least {delta['full_lower_bound_s']:.3f} s",
+    )
+    return table

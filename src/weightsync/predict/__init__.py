@@ -13,9 +13,28 @@ benchmarks to say how long a sync's data phase would take on a cluster we do not
   simulation and what no execution or no schedule can beat.
 - `predict_sync` (`prediction`): all of it for one cluster, against round robin and a
   broadcast.
+- `predict_delta_sync`, `delta_prediction` (`delta`): a delta sync on the same schedule, its
+  payload bytes from `DeltaDensity` and its device work from `DeltaRates`.
 """
 
 from weightsync.predict.cluster import TrainerShape, simulated_holders
+from weightsync.predict.delta import (
+    FP8_CODE_DENSITY_RATIO,
+    H200_KERNELS,
+    MEASURED_ELEMENT_DENSITY,
+    MEASURED_FP8_SCALE_DENSITY,
+    DeltaDensity,
+    DeltaPrediction,
+    DeltaRates,
+    KernelTimes,
+    delta_prediction,
+    dense_section_bytes,
+    expected_changes,
+    payload_bytes,
+    predict_delta_sync,
+    run_section,
+    sparse_section_bytes,
+)
 from weightsync.predict.network import NetworkModel, Port
 from weightsync.predict.prediction import (
     SyncPrediction,
@@ -37,6 +56,7 @@ from weightsync.predict.simulator import (
     simulate,
 )
 from weightsync.predict.traffic import (
+    ElementRun,
     TrafficGroup,
     TrafficUnit,
     fp8_num_bytes,
@@ -47,6 +67,15 @@ from weightsync.predict.transfers import Schedule, Transfer
 
 __all__ = [
     "DEFAULT_WINDOWS",
+    "FP8_CODE_DENSITY_RATIO",
+    "H200_KERNELS",
+    "MEASURED_ELEMENT_DENSITY",
+    "MEASURED_FP8_SCALE_DENSITY",
+    "DeltaDensity",
+    "DeltaPrediction",
+    "DeltaRates",
+    "ElementRun",
+    "KernelTimes",
     "NetworkModel",
     "Port",
     "Schedule",
@@ -58,16 +87,23 @@ __all__ = [
     "TrainerShape",
     "Transfer",
     "broadcast_seconds",
+    "delta_prediction",
+    "dense_section_bytes",
+    "expected_changes",
     "fp8_num_bytes",
     "ideal_lower_bound_s",
     "is_fp8_config",
     "is_fp8_weight",
     "lower_bound_s",
     "network_schedule",
+    "payload_bytes",
     "plan_schedule",
+    "predict_delta_sync",
     "predict_sync",
     "round_robin_schedule",
+    "run_section",
     "simulate",
     "simulated_holders",
+    "sparse_section_bytes",
     "traffic_units",
 ]

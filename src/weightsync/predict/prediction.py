@@ -10,7 +10,7 @@ planning took.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.layout import hf_tensor_shapes, model_dtype
@@ -25,7 +25,13 @@ from weightsync.predict.simulator import (
     lower_bound_s,
     simulate,
 )
-from weightsync.predict.traffic import fp8_num_bytes, is_fp8_weight, traffic_units
+from weightsync.predict.traffic import (
+    TrafficGroup,
+    TrafficUnit,
+    fp8_num_bytes,
+    is_fp8_weight,
+    traffic_units,
+)
 from weightsync.predict.transfers import Schedule
 
 
@@ -44,6 +50,9 @@ class SyncPrediction:
         num_bytes: bytes the network schedule moves.
         plan_s: wall-clock seconds to build the network schedule (layout to order).
         plan_cpu_s: CPU seconds of the same.
+        network: the network model it ran on.
+        groups: the layout groups of the rollout ranks (`traffic_units`).
+        units: the work units the schedule carries (`traffic_units`).
     """
 
     schedule: Schedule
@@ -56,6 +65,9 @@ class SyncPrediction:
     num_bytes: int
     plan_s: float
     plan_cpu_s: float
+    network: NetworkModel
+    groups: tuple[TrafficGroup, ...] = field(hash=False)
+    units: tuple[TrafficUnit, ...] = field(hash=False)
 
     @property
     def ratio(self) -> float:
@@ -141,4 +153,7 @@ def predict_sync(
         num_bytes=schedule.num_bytes,
         plan_s=plan_s,
         plan_cpu_s=plan_cpu_s,
+        network=network,
+        groups=groups,
+        units=units,
     )

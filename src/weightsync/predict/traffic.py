@@ -10,7 +10,13 @@ parameters whose dtype differs from the model's (DeepSeek's float32 router bias)
 FP8 rollout (``fp8=True``, DeepSeek-V3 and Kimi-K2 as they ship): every decoder projection
 weight (a 2-D ``*_proj.weight`` inside a layer) is sent as e4m3, one byte per element, plus
 a float32 scale per 128x128 block of each destination run (`fp8_num_bytes`); the rest keeps
-its rollout dtype.
+its rollout dtype. A config that ships block FP8 (``quantization_config``) already lays its
+projections out as e4m3 parameters beside their float32 ``weight_scale_inv`` parameters, each
+counted as the layout has it, so no scale is counted twice.
+
+Each unit also lists its `ElementRun`s, the elements it writes per destination parameter and
+their kind (other elements, FP8 codes, FP8 scales): what a delta sync's payload size
+depends on (`weightsync.predict.delta`).
 """
 
 from __future__ import annotations
@@ -20,14 +26,18 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from weightsync.layout import layer_index, rank_layout
+from weightsync.layout.quant import FP8_DTYPE, SCALE_SUFFIX
 from weightsync.plan import TargetRank
 from weightsync.plan.assign import UnitKey
 
 FP8_BLOCK = 128
 FP8_SCALE_BYTES = 4
+
+# What a run's elements are, for the density a delta sync applies to them.
+ElementKind = Literal["elements", "fp8_codes", "fp8_scales"]
 
 
 def fp8_num_bytes(extents: Sequence[int]) -> int:
@@ -46,6 +56,32 @@ def fp8_num_bytes(extents: Sequence[int]) -> int:
 def is_fp8_weight(hf_name: str, shape: Sequence[int]) -> bool:
     """Whether an FP8 checkpoint (DeepSeek-V3 style) stores HF tensor `hf_name` as e4m3."""
     return len(shape) == 2 and layer_index(hf_name) is not None and hf_name.endswith("_proj.weight")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ElementRun:
+    """Elements of one destination parameter that a unit writes into each target.
+
+    Attributes:
+        kind: ``"fp8_codes"`` (e4m3 weights), ``"fp8_scales"`` (their float32 block scales)
+            or ``"elements"`` (everything else: bf16, fp16, float32 parameters).
+        start: index of the first element in its parameter (where a sparse delta's
+            65,536-element blocks fall); for the scales of a weight counted as FP8 here
+            (``fp8=True`` over a bf16 layout), which no table places, the weight's start
+            over the elements of a block.
+        numel: elements.
+        element_size: bytes per element.
+    """
+
+    kind: ElementKind
+    start: int
+    numel: int
+    element_size: int
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the run's elements."""
+        return self.numel * self.element_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +113,8 @@ class TrafficUnit:
         num_writes: contiguous destination runs per target (one per parameter it lands in).
         runs: ``(param_name, dst_offset_bytes, num_bytes)`` per run, in the rollout dtype;
             empty for FP8 traffic, whose bytes no destination table describes yet.
+        element_runs: the elements it writes per destination run, by kind (padding, which
+            a delta never changes, left out).
     """
 
     key: UnitKey
@@ -85,6 +123,7 @@ class TrafficUnit:
     num_bytes: int
     num_writes: int
     runs: tuple[tuple[str, int, int], ...] = field(default=(), hash=False)
+    element_runs: tuple[ElementRun, ...] = field(default=(), hash=False)
 
 
 def traffic_units(
@@ -134,15 +173,32 @@ def traffic_units(
                     {
                         "position": (layout_id, param_index, segment.dst_offset * size),
                         "runs": [],
+                        "elements": [],
                         "wire_bytes": 0,
                     },
                 )
                 extents = tuple(stop - start for start, stop in segment.src_box)
-                if fp8 and segment.hf_name is not None and is_fp8_weight(name, extents):
+                if (
+                    fp8
+                    and segment.hf_name is not None
+                    and param.dtype != FP8_DTYPE
+                    and is_fp8_weight(name, extents)
+                ):
                     num_bytes = fp8_num_bytes(extents)
                 else:
                     num_bytes = segment.numel * size
                 entry["wire_bytes"] += num_bytes
+                if segment.hf_name is not None:
+                    entry["elements"].extend(
+                        _element_runs(
+                            segment.hf_name,
+                            param.dtype,
+                            size,
+                            segment.dst_offset,
+                            extents,
+                            num_bytes,
+                        )
+                    )
                 entry["runs"].append((param.name, segment.dst_offset * size, segment.numel * size))
         group_bytes = 0
         for name, entry in acc.items():
@@ -160,6 +216,7 @@ def traffic_units(
                     num_bytes=num_bytes,
                     num_writes=_num_runs(runs),
                     runs=() if fp8 else tuple(runs),
+                    element_runs=tuple(entry["elements"]),
                 )
             )
         groups.append(
@@ -169,6 +226,31 @@ def traffic_units(
     units = [_place(unit, num_layers) if unit.layer == -1 else unit for unit in units]
     units.sort(key=lambda u: (u.position, u.key))
     return tuple(groups), tuple(units)
+
+
+def _element_runs(
+    hf_name: str, dtype: str, size: int, start: int, extents: Sequence[int], num_bytes: int
+) -> tuple[ElementRun, ...]:
+    """The element runs of one segment of HF tensor `hf_name`, whose wire bytes are
+    `num_bytes`."""
+    numel = math.prod(extents)
+    if dtype == FP8_DTYPE:
+        return (ElementRun(kind="fp8_codes", start=start, numel=numel, element_size=size),)
+    if hf_name.endswith(SCALE_SUFFIX):
+        return (ElementRun(kind="fp8_scales", start=start, numel=numel, element_size=size),)
+    if num_bytes == numel * size:
+        return (ElementRun(kind="elements", start=start, numel=numel, element_size=size),)
+    # Counted as FP8 over a bf16 layout: e4m3 codes, then the float32 scales of its blocks.
+    scales = (num_bytes - numel) // FP8_SCALE_BYTES
+    return (
+        ElementRun(kind="fp8_codes", start=start, numel=numel, element_size=1),
+        ElementRun(
+            kind="fp8_scales",
+            start=start // (FP8_BLOCK * FP8_BLOCK),
+            numel=scales,
+            element_size=FP8_SCALE_BYTES,
+        ),
+    )
 
 
 def _place(unit: TrafficUnit, num_layers: int) -> TrafficUnit:
