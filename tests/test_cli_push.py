@@ -1,6 +1,7 @@
 """`weightsync push`'s failures: bad input exits 2 with the option named; a replica that does
 not take the update exits 1, with ``ok: false`` in ``--json``. (Pushes that land are in the
-conformance suite, into the reference server and real SGLang.)"""
+conformance suite, into the reference server and real SGLang; deltas between checkpoints in
+test_cli_push_delta.py.)"""
 
 from __future__ import annotations
 
@@ -43,4 +44,5 @@ def test_an_unreachable_replica_exits_1(checkpoint: Path) -> None:
     assert done.returncode == 1
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ok"] is False and result["bit_exact"] is None
+    assert result["mode"] == "full" and result["bytes"] == result["full_bytes"] == 0
     assert "http://127.0.0.1:1" in result["error"] and "got no reply" in result["error"]

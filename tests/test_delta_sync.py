@@ -120,7 +120,11 @@ def test_delta_syncs_stay_bit_exact_through_fleet_events(tmp_path) -> None:
 
         config = ws.SyncConfig(
             sender=ws.SenderConfig(bucket_bytes=64 << 10, timeout_s=10),
-            control=ws.ControlConfig(api_key=API_KEY, check_weight_update_equal=True),
+            # The full check after applying (the demo's delta test runs the default,
+            # derived from the changes).
+            control=ws.ControlConfig(
+                api_key=API_KEY, check_weight_update_equal=True, delta_check="full"
+            ),
             transport=ws.MooncakeConfig(protocol="tcp", timeout_s=10),
             delta=True,
         )

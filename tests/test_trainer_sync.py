@@ -37,6 +37,8 @@ def test_sync_config_is_one_nested_config() -> None:
         ws.SyncConfig(control=ws.SenderConfig())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pause_mode"):
         ws.ControlConfig(pause_mode="stop")
+    with pytest.raises(ValueError, match="delta_check='every other byte': choose one of"):
+        ws.ControlConfig(delta_check="every other byte")
     with pytest.raises(ValueError, match="num_streams"):
         ws.CudaIpcConfig(num_streams=0)
 

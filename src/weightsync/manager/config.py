@@ -20,6 +20,9 @@ PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 SELECTORS: tuple[str, ...] = get_args(Selector)
 
 
+DELTA_CHECKS: tuple[str, ...] = ("changes", "full")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlConfig:
     """How `SyncManager` drives the rollout replicas through an update.
@@ -62,10 +65,16 @@ class ControlConfig:
             later). 0 turns it off; None (the default): 5 ms where this process may run on
             at least `POLL_MIN_CPUS` CPUs, else off (on fewer, the polling thread takes the
             CPU the replica needs to answer).
+        delta_check: how a replica that takes a delta checks its weights after applying it
+            (``POST /weightsync/apply_delta``'s ``check``): ``"changes"`` derives each
+            changed parameter's checksum from its proven base and the elements it wrote
+            (work in the changes); ``"full"`` reads every byte again, which also sees a stray
+            write since the base was proven into an element no payload changed (see
+            docs/concepts.md, "Delta syncs").
 
     Raises:
-        ValueError: an unknown pause mode, selector or event loop (or uvloop where it is not
-            installed), or a timeout that is not positive.
+        ValueError: an unknown pause mode, selector, delta check or event loop (or uvloop
+            where it is not installed), or a timeout that is not positive.
     """
 
     api_key: str | None = None
@@ -81,6 +90,7 @@ class ControlConfig:
     lease_s: float = 30.0
     event_loop: EventLoopKind = "auto"
     poll_replies_s: float | None = None
+    delta_check: str = "changes"
 
     def __post_init__(self) -> None:
         if self.pause_mode not in PAUSE_MODES:
@@ -89,6 +99,10 @@ class ControlConfig:
             )
         if self.selector not in SELECTORS:
             raise ValueError(f"ControlConfig.selector={self.selector!r}: choose one of {SELECTORS}")
+        if self.delta_check not in DELTA_CHECKS:
+            raise ValueError(
+                f"ControlConfig.delta_check={self.delta_check!r}: choose one of {DELTA_CHECKS}"
+            )
         for name in ("http_timeout_s", "check_timeout_s", "lifecycle_timeout_s", "lease_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):

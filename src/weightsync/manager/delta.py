@@ -94,11 +94,14 @@ class DeltaSyncs:
     Args:
         replicas: the manager's replicas (their clients and protocols).
         timeout_s: the deadline of each call.
+        check: how replicas check after applying (``"changes"`` or ``"full"``,
+            `ControlConfig.delta_check`).
     """
 
-    def __init__(self, replicas: ReplicaSet, *, timeout_s: float) -> None:
+    def __init__(self, replicas: ReplicaSet, *, timeout_s: float, check: str = "changes") -> None:
         self._replicas = replicas
         self._timeout_s = timeout_s
+        self._check = check
         self._bases: dict[str, DeltaBase] = {}
 
     def base(self, url: str) -> DeltaBase | None:
@@ -203,6 +206,7 @@ class DeltaSyncs:
             replies = await client.apply_delta(
                 session_token=update.sessions.tokens.get(url),
                 ranks=ranks,
+                check=self._check,
                 timeout_s=self._timeout_s,
             )
             return {rank: reply.checksums for rank, reply in replies.items()}
@@ -237,6 +241,18 @@ class DeltaSyncs:
                 self._bases[url] = DeltaBase(token=reference, checksums=after)
             else:
                 self._bases.pop(url, None)
+
+    def adopt(self, url: str, base: DeltaBase) -> None:
+        """Take `base` as what replica `url` must hold to take its next update as a delta:
+        bytes this driver never pushed there (a checkpoint the replica loaded, or one an
+        earlier process pushed), which the trainers' reference holds as push ``base.token``.
+
+        Nothing is taken on trust: ``base.checksums`` are what the trainers computed from
+        those bytes as the replica lays them out (`TrainerSync.adopt_base`), and `choose`
+        gives the replica a delta only if the checksums it reports once its session began
+        equal them. The base replaces any the replica had; `record` replaces it in turn.
+        """
+        self._bases[url] = base
 
 
 def _first_difference(kept: RankChecksums, now: RankChecksums) -> str | None:

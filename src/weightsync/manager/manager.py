@@ -23,7 +23,7 @@ from weightsync.errors import (
 )
 from weightsync.manager.check import BitExactCheck
 from weightsync.manager.config import ControlConfig
-from weightsync.manager.delta import DeltaChoice, DeltaSyncs, replica_writes
+from weightsync.manager.delta import DeltaBase, DeltaChoice, DeltaSyncs, replica_writes
 from weightsync.manager.lifecycle import (
     Finished,
     FusedLifecycle,
@@ -112,7 +112,11 @@ class SyncManager:
         self._plain: Lifecycle = PlainLifecycle(self._calls)
         self._fused: Lifecycle = FusedLifecycle(self._calls)
         self._check = BitExactCheck(self._calls, self._config)
-        self._deltas = DeltaSyncs(self._known, timeout_s=self._config.lifecycle_timeout_s)
+        self._deltas = DeltaSyncs(
+            self._known,
+            timeout_s=self._config.lifecycle_timeout_s,
+            check=self._config.delta_check,
+        )
         self._labels = LabelBook()
         self._epoch = 0
         self._dirty: set[str] = set()
@@ -312,6 +316,11 @@ class SyncManager:
             await self._calls.abandon(update, live, resume=not (self._dirty & set(live)))
             raise
         update.opened = time.perf_counter()
+
+    def adopt_delta_base(self, url: str, base: DeltaBase) -> None:
+        """Take `base` as what replica `url` must prove it holds to take the next update as
+        a delta (`DeltaSyncs.adopt`)."""
+        self._deltas.adopt(url, base)
 
     async def choose_deltas(
         self, update: OpenUpdate, *, token: int, reference: int | None

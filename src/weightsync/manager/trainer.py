@@ -8,12 +8,16 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from weightsync.control.loops import new_event_loop
+from weightsync.delta_codec import as_bits, bits_dtype, checksum_tensor
 from weightsync.errors import LayoutMismatchError, PartialPushError, WeightsRefusedError
-from weightsync.export.base import WeightExport
+from weightsync.export.base import ExportDefaults, WeightExport
 from weightsync.export.consistency import box_digests, replica_mismatches
 from weightsync.export.fp8 import Fp8Export, fp8_holding
 from weightsync.layout.config import config_data, model_dims
@@ -29,11 +33,21 @@ from weightsync.manager.collective import (
     SyncFailed,
 )
 from weightsync.manager.config import SyncConfig
+from weightsync.manager.delta import DeltaBase, RankChecksums
 from weightsync.manager.manager import SyncManager
 from weightsync.manager.report import SyncReport
 from weightsync.manager.update import Landing, OpenUpdate, PushResult
-from weightsync.plan import SourceHolding, SourcePlan, TargetRank, build_plan
-from weightsync.sender import CheckedPush, WeightSender
+from weightsync.plan import (
+    SourceHolding,
+    SourcePlan,
+    StreamGeometry,
+    TargetRank,
+    TensorMeta,
+    build_plan,
+    delta_maps,
+)
+from weightsync.sender import CheckedPush, WeightSender, wrap_int64
+from weightsync.torch_dtypes import torch_dtype
 from weightsync.transport import Transport, open_transport
 
 T = TypeVar("T")
@@ -59,6 +73,11 @@ class TrainerSync:
     3. ``add_replica`` / ``remove_replica`` between syncs (they act on the driver and do
        nothing elsewhere, so SPMD code may call them on every rank);
     4. ``close()`` on every rank.
+
+    With ``config.delta``, ``adopt_base(export)`` on every rank, before a sync, makes weights
+    the replicas already serve (a checkpoint they loaded) the base of that sync's deltas,
+    without writing them: ``sync(new_export, require_delta=True)`` then writes only what
+    differs, into replicas that prove they hold them, or refuses before any write.
 
     The driver runs the manager's coroutines on an event loop of its own, in the calling
     thread while a call lasts (see `run`), so a training loop without asyncio can drive it;
@@ -208,7 +227,12 @@ class TrainerSync:
             self.run(self._manager.remove_replica(url))
 
     def sync(
-        self, export: WeightExport, *, version: str | None = None, rollback: bool = False
+        self,
+        export: WeightExport,
+        *,
+        version: str | None = None,
+        rollback: bool = False,
+        require_delta: bool = False,
     ) -> SyncReport:
         """Push this rank's weights into every replica; collective over the trainer group.
 
@@ -218,6 +242,10 @@ class TrainerSync:
                 replica holds or has held (`weightsync.manager.versions`).
             rollback: `version` may be a number at or below what a replica holds (a
                 trainer that labels by its step and resumes an earlier one).
+            require_delta: every replica must take a delta (``config.delta``): when one
+                would take full bytes (it does not prove it holds the base, or serves no
+                deltas), the sync is refused before any write and every replica serves
+                its previous weights again.
 
         Returns:
             What the sync did, with every rank's `PushStats` in ``report.push.per_source``.
@@ -227,15 +255,135 @@ class TrainerSync:
                 it; the replicas serve their previous weights).
             WeightSyncError / ValueError: as `SyncManager.open_update` or `finish_update`
                 raised on the driver.
+            WeightsRefusedError: with `require_delta`, a replica would take full bytes (the
+                message names each such replica and why: for a base it does not hold, the
+                rank and the first parameter that differs); nothing was written.
             CollectiveError: a trainer rank did not take part within
                 ``config.collective_timeout_s`` (dead, stopped, or not calling `sync`).
         """
         if self._closed:
             raise ValueError("sync() on a closed TrainerSync")
+        if require_delta and not self._config.delta:
+            raise ValueError("sync(require_delta=True) needs SyncConfig(delta=True)")
         with export.pinned():
-            return self._sync(export, version, rollback)
+            return self._sync(export, version, rollback, require_delta)
 
-    def _sync(self, export: WeightExport, version: str | None, rollback: bool) -> SyncReport:
+    def adopt_base(self, export: WeightExport) -> None:
+        """Make `export` the base of the next sync's deltas without writing it anywhere:
+        weights the replicas are meant to serve already (a checkpoint they loaded, or one
+        pushed earlier); collective over the trainer group, between syncs.
+
+        Every rank records `export` as its delta reference (`WeightSender.push_delta` with
+        no target) and computes, per rollout rank it writes to, the checksum of each
+        parameter were it to hold `export`'s bytes (`weightsync.delta_codec.checksum_tensor`
+        of the parameter as the plan lays it out, one parameter at a time); the driver adds
+        up the ranks' shares and keeps them as each replica's base
+        (`weightsync.manager.delta.DeltaSyncs.adopt`). Nothing is taken on trust: the next
+        `sync` gives a replica a delta only if the checksums it reports once its session
+        began equal these, every byte of every parameter (``sync(require_delta=True)``
+        refuses the sync otherwise).
+
+        Host memory: the reference (one copy of this rank's share of the rollout weights,
+        ``SenderConfig.delta_reference``) and the parameters of each rollout layout that are
+        still being filled (those of a layer or so, in HF order).
+
+        Args:
+            export: this rank's PP-local weights of the base (a `weightsync.WeightExport`).
+
+        Raises:
+            ValueError: the sync keeps no delta reference (``SyncConfig(delta=False)``), or
+                is closed.
+            LayoutMismatchError: the plan was refused (as in `sync`).
+            RemoteReplicaError: a replica's metadata could not be fetched.
+            CollectiveError: a trainer rank did not take part in time.
+        """
+        if self._closed:
+            raise ValueError("adopt_base() on a closed TrainerSync")
+        if not self._config.delta:
+            raise ValueError("adopt_base() needs SyncConfig(delta=True)")
+        with export.pinned():
+            self._adopt_base(export)
+
+    def _adopt_base(self, export: WeightExport) -> None:
+        """`adopt_base` as steps: every rank gathers the holdings; the driver fetches the
+        targets, builds the plan and broadcasts a `PushOrder` whose ``delta_token`` labels
+        the reference (or `SyncFailed`); every rank takes its plan, records the reference
+        and sends its checksum shares (`_BaseShare`); the driver adopts the bases and
+        broadcasts `_BaseAdopted` (or `SyncFailed`)."""
+        holdings = tuple(
+            sorted(self._collective.all_gather(self._sender.holding(export)), key=lambda h: h.rank)
+        )
+        manager = self._manager
+        if manager is None:
+            order = self._collective.broadcast(None, (PushOrder, SyncFailed))
+            if isinstance(order, SyncFailed):
+                raise order.error
+            self._collective.gather(self._base_share(export, order, None), _BaseShare)
+            done = self._collective.broadcast(None, (_BaseAdopted, SyncFailed))
+            if isinstance(done, SyncFailed):
+                raise done.error
+            return
+        try:
+            targets = self.run(manager.targets())
+            plans = self._source_plans(targets, manager.metadata_epoch, holdings)
+        except BaseException as exc:
+            self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
+            raise
+        self._delta_pushes += 1
+        # The references are overwritten from here on: until every rank recorded the base,
+        # they hold no push a replica can take a delta against.
+        self._delta_reference = None
+        order = PushOrder(
+            new_plan=plans is not None,
+            fp8_block_size=rollout_fp8(targets),
+            delta_token=self._delta_pushes,
+        )
+        self._collective.broadcast(order, (PushOrder,))
+        shares = self._collective.gather(self._base_share(export, order, plans), _BaseShare)
+        assert shares is not None  # the driver's gather
+        try:
+            failed = [share.error for share in shares if share.error is not None]
+            if failed:
+                raise failed[0]
+            for url, checksums in _replica_checksums(targets, shares).items():
+                # Kept where the manager keeps every replica's base: `choose` proves it.
+                manager.adopt_delta_base(
+                    url, DeltaBase(token=self._delta_pushes, checksums=checksums)
+                )
+        except BaseException as exc:
+            self._collective.broadcast(SyncFailed(error=exc), (SyncFailed,))
+            raise
+        self._delta_reference = self._delta_pushes
+        self._collective.broadcast(_BaseAdopted(), (_BaseAdopted,))
+
+    def _base_share(
+        self, export: WeightExport, order: PushOrder, plans: list[SourcePlan] | None
+    ) -> _BaseShare:
+        """Every rank: take its plan, record `export` as its reference (labelled
+        ``order.delta_token``) and checksum it as each of its targets lays it out."""
+        try:
+            if order.new_plan:
+                self._plan = self._collective.scatter(plans, SourcePlan)
+            plan = self._plan
+            if plan is None:
+                raise ValueError(f"trainer rank {self.rank} has no plan to record a base with")
+            export = self._for_rollout(export, order.fp8_block_size)
+            sums = _LaidOutChecksums(plan)
+            export.begin_push()
+            stats = self._sender.push_delta(
+                plan, _Tapped(export, sums.add), (), token=order.delta_token
+            )
+            if stats.token != order.delta_token:
+                raise ValueError(f"trainer rank {self.rank} did not record the whole base")
+            return _BaseShare(rank=self.rank, checksums=sums.per_session())
+        except CollectiveError:
+            raise
+        except Exception as exc:  # reported to the driver, which raises it for everyone
+            return _BaseShare(rank=self.rank, error=exc)
+
+    def _sync(
+        self, export: WeightExport, version: str | None, rollback: bool, require_delta: bool
+    ) -> SyncReport:
         """`sync` as steps (`weightsync.manager.collective` gives the messages): every rank
         gathers the holdings (and checks replica digests); the driver opens the update,
         builds the plan and broadcasts the order; every rank takes its share, preflights,
@@ -280,9 +428,25 @@ class TrainerSync:
             update = await manager.open_update(version=version, fence=True, rollback=rollback)
             if self._config.delta:
                 self._delta_pushes += 1
-                await manager.choose_deltas(
+                choice = await manager.choose_deltas(
                     update, token=self._delta_pushes, reference=self._delta_reference
                 )
+                full = {
+                    url: choice.full.get(
+                        url, "it serves no delta syncs (or offers no delta region)"
+                    )
+                    for url in update.replicas
+                    if url not in choice.delta
+                }
+                if require_delta and full:
+                    # A refusal before any write: finishing with it resumes every replica.
+                    why = "; ".join(f"{url}: {reason}" for url, reason in full.items())
+                    refused = WeightsRefusedError(
+                        f"the sync must be a delta, but {len(full)} replica(s) cannot take one "
+                        f"({why}); nothing was written, every replica serves its previous "
+                        "weights"
+                    )
+                    return await manager.finish_update(update, refused)
             outcome = await self._off_loop(lambda: order_and_push(update))
             if self._config.delta:
                 self._delta_reference = _delta_token(outcome)
@@ -611,3 +775,169 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
     its own error."""
     if not future.cancelled():
         future.exception()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _BaseShare:
+    """One rank's part of `TrainerSync.adopt_base`, gathered by the driver.
+
+    Attributes:
+        rank: the trainer rank.
+        checksums: per target session id, ``{param_name: checksum}`` of what this rank
+            writes there, zero elsewhere (the ranks' shares add up, wrapping, to the whole).
+        error: what the rank raised instead.
+    """
+
+    rank: int
+    checksums: Mapping[str, Mapping[str, int]] | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _BaseAdopted:
+    """The driver adopted the base: `TrainerSync.adopt_base` returns on every rank."""
+
+
+class _Tapped(ExportDefaults):
+    """`export`, whose stream also hands every tensor to `tap` as it passes (one read of
+    the base serves both the reference and its checksums)."""
+
+    def __init__(self, export: WeightExport, tap: Callable[[str, torch.Tensor], None]) -> None:
+        self._export = export
+        self._tap = tap
+
+    def holding(self) -> Mapping[str, TensorMeta]:
+        """As the wrapped export."""
+        return self._export.holding()
+
+    def geometry(self) -> StreamGeometry:
+        """As the wrapped export."""
+        return self._export.geometry()
+
+    def begin_push(self) -> None:
+        """As the wrapped export."""
+        self._export.begin_push()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped stream, each tensor tapped before it is handed on."""
+        for hf_name, tensor in self._export:
+            self._tap(hf_name, tensor)
+            yield hf_name, tensor
+
+
+class _LaidOutChecksums:
+    """The checksum (`weightsync.delta_codec.checksum_tensor`) of every parameter one
+    rank's plan writes, were the parameter to hold the bytes of the tensors `add`ed (cast
+    to the rollout's dtype, placed by the plan's run tables, `weightsync.plan.delta_maps`)
+    and zeros wherever this rank writes nothing.
+
+    A parameter is filled in a buffer of its own (on its tensors' device) and checksummed
+    once every element this rank writes there arrived, so only parameters still being
+    filled are held. The checksum is linear in the bytes: the ranks' sums add up to the
+    parameter's, and vocabulary padding (zeros) adds nothing.
+    """
+
+    def __init__(self, plan: SourcePlan) -> None:
+        self._maps = delta_maps(plan)
+        self._parts = plan.parts or (plan,)
+        published = {t.session_id: t for ranks in plan.targets.values() for t in ranks}
+        self._sessions: dict[tuple[int, int], list[str]] = {}
+        self._shape: dict[tuple[int, int, str], tuple[int, int]] = {}
+        self._left: dict[tuple[int, int, str], int] = {}
+        for index, (part, delta_map) in enumerate(zip(self._parts, self._maps, strict=True)):
+            for layout_id, ranks in part.targets.items():
+                self._sessions[(index, layout_id)] = [t.session_id for t in ranks]
+            for targets in delta_map.tensors.values():
+                for target in targets:
+                    key = (index, target.layout_id, target.param_name)
+                    self._left[key] = self._left.get(key, 0) + target.num_elements
+                    if key in self._shape:
+                        continue
+                    rank = published[self._sessions[(index, target.layout_id)][0]]
+                    _, numel, element_size = rank.weights_info[target.param_name]
+                    self._shape[key] = (numel, element_size)
+        self._by_name = {name: i for i, m in enumerate(self._maps) for name in m.tensors}
+        self._buffers: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._sums: dict[tuple[int, int, str], int] = {}
+
+    def add(self, hf_name: str, tensor: torch.Tensor) -> None:
+        """Place `tensor` (HF tensor `hf_name` of the stream) in the parameters it lands in;
+        checksum those it completes. A tensor the plan does not read is passed over.
+
+        Raises:
+            ValueError: the tensor does not fit the plan's run tables, or its elements are
+                not the size the rollout published for a parameter.
+        """
+        index = self._by_name.get(hf_name)
+        if index is None:
+            return
+        delta_map = self._maps[index]
+        bits = as_bits(tensor.to(torch_dtype(delta_map.dtype)).contiguous())
+        for target in delta_map.tensors[hf_name]:
+            key = (index, target.layout_id, target.param_name)
+            numel, element_size = self._shape[key]
+            if element_size != bits.element_size():
+                raise ValueError(
+                    f"parameter {target.param_name!r} has {element_size}-byte elements, but "
+                    f"HF tensor {hf_name!r} is {delta_map.dtype} for it; rebuild the plan"
+                )
+            buffer = self._buffers.get(key)
+            if buffer is None:
+                buffer = self._buffers[key] = torch.zeros(
+                    numel, dtype=bits_dtype(element_size), device=bits.device
+                )
+            for family in target.families:
+                src_end = family.src_start + (family.count - 1) * family.src_step + family.length
+                dst_end = family.dst_start + (family.count - 1) * family.dst_step + family.length
+                if src_end > bits.numel() or dst_end > numel:
+                    raise ValueError(
+                        f"HF tensor {hf_name!r} ({bits.numel()} elements) does not fit the "
+                        f"runs the plan has for {target.param_name!r} ({numel} elements); "
+                        "rebuild the plan"
+                    )
+                shape = (family.count, family.length)
+                source = bits.as_strided(
+                    shape, (family.src_step, 1), bits.storage_offset() + family.src_start
+                )
+                buffer.as_strided(shape, (family.dst_step, 1), family.dst_start).copy_(source)
+            self._left[key] -= target.num_elements
+            if not self._left[key]:
+                self._sums[key] = int(checksum_tensor(self._buffers.pop(key)))
+
+    def per_session(self) -> dict[str, dict[str, int]]:
+        """Per target session id, ``{param_name: checksum}`` of every parameter this rank
+        writes there.
+
+        Raises:
+            ValueError: a tensor the plan reads never came (the stream was incomplete).
+        """
+        if self._buffers:
+            key = next(iter(self._buffers))
+            raise ValueError(
+                f"parameter {key[2]!r} was not filled: the stream lacked a tensor the plan reads"
+            )
+        out: dict[str, dict[str, int]] = {}
+        for (index, layout_id, param_name), value in self._sums.items():
+            for session in self._sessions[(index, layout_id)]:
+                sums = out.setdefault(session, {})
+                sums[param_name] = wrap_int64(sums.get(param_name, 0) + value)
+        return out
+
+
+def _replica_checksums(
+    targets: Sequence[TargetRank], shares: Sequence[_BaseShare]
+) -> dict[str, RankChecksums]:
+    """Per replica and rank, every published parameter's checksum added up over the trainer
+    ranks' shares (a parameter no rank writes: zeros, checksum 0)."""
+    out: dict[str, dict[int, dict[str, int]]] = {}
+    by_session = {}
+    for target in targets:
+        out.setdefault(target.replica, {})[target.rank] = dict.fromkeys(target.weights_info, 0)
+        by_session[target.session_id] = target
+    for share in shares:
+        for session, sums in (share.checksums or {}).items():
+            target = by_session[session]
+            rank = out[target.replica][target.rank]
+            for name, value in sums.items():
+                rank[name] = wrap_int64(rank.get(name, 0) + value)
+    return out
