@@ -55,15 +55,15 @@ DeltaFp8CodeDensityOption = Annotated[
     float | None,
     typer.Option(
         "--delta-fp8-code-density",
-        help=f"--simulate: the fraction of FP8 codes changed [default: --delta-density x "
-        f"{FP8_CODE_DENSITY_RATIO:g}, as measured].",
+        help=f"--simulate: the fraction of FP8 codes changed (default: --delta-density x "
+        f"{FP8_CODE_DENSITY_RATIO:g}, as measured).",
     ),
 ]
 DeltaFp8ScaleDensityOption = Annotated[
     float | None,
     typer.Option(
         "--delta-fp8-scale-density",
-        help="--simulate: the fraction of FP8 block scales changed [default: 1, as measured].",
+        help="--simulate: the fraction of FP8 block scales changed (default: 1, as measured).",
     ),
 ]
 
