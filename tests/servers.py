@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from weightsync.control import RolloutClient
 from weightsync.testing.launcher import (
     ServedReplica,
     serve_replicas,
@@ -63,3 +66,15 @@ def app_in_thread(
         server.should_exit = True
         thread.join(timeout_s)
         sock.close()
+
+
+def served_checksums(url: str, api_key: str | None) -> list[dict]:
+    """Every rank's checksums of its parameters (the weights checker's ``checksum``
+    action), in rank order."""
+
+    async def main() -> list[dict]:
+        async with RolloutClient(url, api_key=api_key, timeout_s=60.0) as client:
+            reply = await client.weights_checker("checksum")
+        return [rank["checksums"] for rank in json.loads(reply.message)["ranks"]]
+
+    return asyncio.run(main())

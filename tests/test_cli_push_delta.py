@@ -23,8 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from servers import serve_replicas
-from weightsync.control import RolloutClient
+from servers import serve_replicas, served_checksums
 from weightsync.layout import ParallelismConfig
 from weightsync.receiver.checker import WeightsChecker
 from weightsync.receiver.loader import shard_state_dict
@@ -96,15 +95,6 @@ def _state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(checkpoint / "model.safetensors")
 
 
-def _served_checksums(url: str) -> list[dict]:
-    async def main() -> list[dict]:
-        async with RolloutClient(url, api_key=API_KEY, timeout_s=60.0) as client:
-            reply = await client.weights_checker("checksum")
-        return [rank["checksums"] for rank in json.loads(reply.message)["ranks"]]
-
-    return asyncio.run(main())
-
-
 def _checkpoint_checksums(checkpoint: Path, tp: int) -> list[dict]:
     """Every rank's checksums were the replica to hold `checkpoint` (bf16, as it lays it
     out)."""
@@ -123,9 +113,9 @@ def _assert_serves(checkpoint: Path, replicas) -> None:
     """Every byte of every rank is `checkpoint`'s, and greedy generation is its model's (so
     the replicas also serve: none is left paused)."""
     for replica in replicas:
-        assert _served_checksums(replica.url) == _checkpoint_checksums(checkpoint, replica.tp), (
-            replica.url
-        )
+        assert served_checksums(replica.url, API_KEY) == _checkpoint_checksums(
+            checkpoint, replica.tp
+        ), replica.url
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     expected = greedy_tokens(model, torch.bfloat16, PROMPTS, NEW_TOKENS)
     served = asyncio.run(

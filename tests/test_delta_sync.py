@@ -14,14 +14,13 @@ that greedy generation equals the trainer's.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 
 import pytest
 import torch
 
 import weightsync as ws
-from servers import serve_replicas
+from servers import serve_replicas, served_checksums
 from weightsync.control import RolloutClient
 from weightsync.errors import PartialSyncError
 from weightsync.layout import ParallelismConfig
@@ -36,15 +35,6 @@ TINY = preset_config("tiny")
 API_KEY = "delta-key"
 PROMPTS = ((1, 17, 42, 7), (600, 2, 31, 99, 5))
 NEW_TOKENS = 4
-
-
-def _replica_checksums(url: str) -> list[dict]:
-    async def main() -> list[dict]:
-        async with RolloutClient(url, api_key=API_KEY, timeout_s=60.0) as client:
-            reply = await client.weights_checker("checksum")
-        return [rank["checksums"] for rank in json.loads(reply.message)["ranks"]]
-
-    return asyncio.run(main())
 
 
 def _expected_checksums(model: torch.nn.Module, tp: int) -> list[dict]:
@@ -73,7 +63,7 @@ def _reset(url: str) -> None:
 def _assert_exact(model, replicas) -> None:
     """Every byte of every rank equal to the trainer's weights; generation equal too."""
     for replica in replicas:
-        assert _replica_checksums(replica.url) == _expected_checksums(model, replica.tp), (
+        assert served_checksums(replica.url, API_KEY) == _expected_checksums(model, replica.tp), (
             replica.url
         )
     expected = greedy_tokens(model, torch.bfloat16, PROMPTS, NEW_TOKENS)
