@@ -46,9 +46,8 @@ def _restore_weightsync_logging() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Run the tests that use the real SGLang servers last, together: SGLang's CPU
-    schedulers poll without sleeping, so the two servers of the session fixture would take
-    most of both cores for the rest of the run if they started any earlier."""
+    """Run the tests that use the real SGLang servers last, together: even sleeping when
+    idle, SGLang's CPU servers take memory and wake-ups the rest of the run need not share."""
     items.sort(
         key=lambda item: (
             "sglang_servers" in getattr(item, "fixturenames", ())
@@ -101,6 +100,9 @@ def sglang_servers(sglang_checkpoint, tmp_path_factory) -> Iterator[list]:
                     sglang_checkpoint,
                     api_key=SGLANG_API_KEY,
                     log_path=logs / f"sglang{index}.log",
+                    # Idle schedulers sleep instead of polling: the tests beside them keep
+                    # this machine's cores.
+                    extra_args=["--sleep-on-idle"],
                     wait=False,
                 )
             )
