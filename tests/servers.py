@@ -8,11 +8,15 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+import torch
 import uvicorn
 
 from weightsync.control import RolloutClient
+from weightsync.layout import ParallelismConfig
+from weightsync.receiver.checker import WeightsChecker
+from weightsync.receiver.loader import shard_state_dict
 from weightsync.testing.launcher import (
     ServedReplica,
     serve_replicas,
@@ -78,3 +82,18 @@ def served_checksums(url: str, api_key: str | None) -> list[dict]:
         return [rank["checksums"] for rank in json.loads(reply.message)["ranks"]]
 
     return asyncio.run(main())
+
+
+def laid_out_checksums(
+    state: Mapping[str, torch.Tensor], hf_config: Mapping, tp: int, dtype: str = "bfloat16"
+) -> list[dict]:
+    """Every rank's checksums were a tp-`tp` replica to hold `state` in `dtype`, laid out by
+    `shard_state_dict` (what `served_checksums` reads back from a replica that holds it)."""
+    return [
+        WeightsChecker(
+            shard_state_dict(state, hf_config, ParallelismConfig(tp_size=tp, tp_rank=r), dtype)
+        )
+        .checksum()
+        .details["checksums"]
+        for r in range(tp)
+    ]

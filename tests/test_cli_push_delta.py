@@ -23,10 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from servers import serve_replicas, served_checksums
-from weightsync.layout import ParallelismConfig
-from weightsync.receiver.checker import WeightsChecker
-from weightsync.receiver.loader import shard_state_dict
+from servers import laid_out_checksums, serve_replicas, served_checksums
 from weightsync.testing.presets import preset_config, write_random_checkpoint
 from weightsync.testing.reference import greedy_tokens, served_tokens
 
@@ -95,26 +92,12 @@ def _state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(checkpoint / "model.safetensors")
 
 
-def _checkpoint_checksums(checkpoint: Path, tp: int) -> list[dict]:
-    """Every rank's checksums were the replica to hold `checkpoint` (bf16, as it lays it
-    out)."""
-    state = _state(checkpoint)
-    return [
-        WeightsChecker(
-            shard_state_dict(state, TINY, ParallelismConfig(tp_size=tp, tp_rank=r), "bfloat16")
-        )
-        .checksum()
-        .details["checksums"]
-        for r in range(tp)
-    ]
-
-
 def _assert_serves(checkpoint: Path, replicas) -> None:
     """Every byte of every rank is `checkpoint`'s, and greedy generation is its model's (so
     the replicas also serve: none is left paused)."""
     for replica in replicas:
-        assert served_checksums(replica.url, API_KEY) == _checkpoint_checksums(
-            checkpoint, replica.tp
+        assert served_checksums(replica.url, API_KEY) == laid_out_checksums(
+            _state(checkpoint), TINY, replica.tp
         ), replica.url
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     expected = greedy_tokens(model, torch.bfloat16, PROMPTS, NEW_TOKENS)

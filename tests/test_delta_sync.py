@@ -20,12 +20,9 @@ import pytest
 import torch
 
 import weightsync as ws
-from servers import serve_replicas, served_checksums
+from servers import laid_out_checksums, serve_replicas, served_checksums
 from weightsync.control import RolloutClient
 from weightsync.errors import PartialSyncError
-from weightsync.layout import ParallelismConfig
-from weightsync.receiver.checker import WeightsChecker
-from weightsync.receiver.loader import shard_state_dict
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 from weightsync.testing.reference import greedy_tokens, served_tokens
 
@@ -35,18 +32,6 @@ TINY = preset_config("tiny")
 API_KEY = "delta-key"
 PROMPTS = ((1, 17, 42, 7), (600, 2, 31, 99, 5))
 NEW_TOKENS = 4
-
-
-def _expected_checksums(model: torch.nn.Module, tp: int) -> list[dict]:
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    return [
-        WeightsChecker(
-            shard_state_dict(state, TINY, ParallelismConfig(tp_size=tp, tp_rank=r), "bfloat16")
-        )
-        .checksum()
-        .details["checksums"]
-        for r in range(tp)
-    ]
 
 
 def _reset(url: str) -> None:
@@ -63,9 +48,9 @@ def _reset(url: str) -> None:
 def _assert_exact(model, replicas) -> None:
     """Every byte of every rank equal to the trainer's weights; generation equal too."""
     for replica in replicas:
-        assert served_checksums(replica.url, API_KEY) == _expected_checksums(model, replica.tp), (
-            replica.url
-        )
+        assert served_checksums(replica.url, API_KEY) == laid_out_checksums(
+            {n: t.detach() for n, t in model.state_dict().items()}, TINY, replica.tp
+        ), replica.url
     expected = greedy_tokens(model, torch.bfloat16, PROMPTS, NEW_TOKENS)
     served = asyncio.run(
         served_tokens(

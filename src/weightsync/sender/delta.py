@@ -34,7 +34,7 @@ from weightsync.plan.items import SourcePlan
 from weightsync.plan.types import TargetRank
 from weightsync.plan.writes import WriteRun
 from weightsync.sender.delta_reference import Changes, DeltaReference
-from weightsync.sender.pins import UNCOUNTED, PushPins
+from weightsync.sender.pins import PushPins, pinned
 from weightsync.sender.writes import WriteQueue
 from weightsync.torch_dtypes import torch_dtype
 from weightsync.transport.base import TransportCapabilities
@@ -316,12 +316,9 @@ class DeltaPush:
             if index is None:
                 continue
             names.append(hf_name)
-            try:
-                versions.append(tensor._version)
-                taken.append(tensor)
-            except RuntimeError:  # an inference tensor counts no versions
-                versions.append(0)
-                taken.append(UNCOUNTED)
+            kept, version = pinned(tensor)
+            taken.append(kept)
+            versions.append(version)
             delta_map = maps[index]
             num_elements += tensor.numel()
             if not wanted:

@@ -36,7 +36,7 @@ from weightsync.plan.program import ChunkStep, PushProgram
 from weightsync.sender.digest import DigestSums
 from weightsync.sender.direct import MappedDirect, TransportDirect
 from weightsync.sender.fill import SlotFiller, record_events
-from weightsync.sender.pins import UNCOUNTED, PushPins
+from weightsync.sender.pins import PushPins, pinned
 from weightsync.sender.staging import StagingRing
 from weightsync.sender.writes import WriteQueue
 from weightsync.torch_dtypes import storage_bytes, torch_dtype
@@ -127,9 +127,9 @@ class ProgramRun:
         arrived = 0
         next_step = 0
         pending: tuple[ChunkStep, list[torch.cuda.Event]] | None = None
-        # Tensors arrive in program order, so the i-th pinned is ``program.keys[i]``.
+        # Tensors arrive in program order, so the i-th taken is ``program.keys[i]``.
         pins = self._pins if self._pins is not None else PushPins(program.plan.rank)
-        pinned, versions = pins.stream(program.keys)
+        taken, versions = pins.stream(program.keys)
         for key, tensor in tensors:
             position = index.get(key)
             if position is None:
@@ -156,12 +156,9 @@ class ProgramRun:
                     self._write(*pending)
                 raise self._mismatch(key, tensor, position, arrived)
             held[position] = tensor
-            try:
-                versions.append(tensor._version)
-                pinned.append(tensor)
-            except RuntimeError:  # an inference tensor counts no versions
-                versions.append(0)
-                pinned.append(UNCOUNTED)
+            kept, version = pinned(tensor)
+            taken.append(kept)
+            versions.append(version)
             arrived += 1
             if position in direct_sources:
                 arrived_direct[position] = tensor

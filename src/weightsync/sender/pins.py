@@ -39,6 +39,14 @@ UNCOUNTED = torch.empty(0)
 change inside ``torch.inference_mode``): a tensor nothing writes, whose counter stays 0."""
 
 
+def pinned(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What a stream keeps of `tensor` (`PushPins.stream`) and its version counter now:
+    `UNCOUNTED` and 0 for a tensor that counts no versions (an inference tensor)."""
+    if tensor.is_inference():
+        return UNCOUNTED, 0
+    return tensor, tensor._version
+
+
 class PushPins:
     """The tensors one push (or one part of it) took, with their version counters then.
 
