@@ -20,6 +20,8 @@ _FIELDS = (
     "attn_tp_rank",
     "attn_dp_size",
     "attn_dp_rank",
+    "num_fused_shared_experts",
+    "moe_dense_tp_size",
     "world_size",
     "global_rank",
     "local_rank",
@@ -33,8 +35,13 @@ class ParallelismConfig:
     Only ``tp_size`` and ``tp_rank`` are required. The others default the way SGLang derives
     them: no pipeline or expert parallelism, MoE tensor parallelism ``tp_size // ep_size`` with
     ``moe_tp_rank = tp_rank % moe_tp_size`` and ``ep_rank = tp_rank // moe_tp_size``, attention
-    tensor parallelism equal to ``tp_size``, one attention data-parallel group, and
+    tensor parallelism equal to ``tp_size``, one attention data-parallel group, no shared
+    experts fused into the routed experts, dense MLPs split like the attention, and
     ``world_size = tp_size * pp_size``.
+
+    ``num_fused_shared_experts`` is SGLang's count of shared experts held as extra expert
+    slots of ``mlp.experts`` (0 when they stay ``mlp.shared_experts``); ``moe_dense_tp_size``
+    is SGLang's ``--moe-dense-tp-size`` (None: not set).
 
     Raises:
         ValueError: a size is not positive, a rank is outside its size, or the sizes do not
@@ -53,6 +60,8 @@ class ParallelismConfig:
     attn_tp_rank: int | None = None
     attn_dp_size: int = 1
     attn_dp_rank: int = 0
+    num_fused_shared_experts: int = 0
+    moe_dense_tp_size: int | None = None
     world_size: int | None = None
     global_rank: int | None = None
     local_rank: int | None = None
@@ -62,6 +71,17 @@ class ParallelismConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig.{name} must be a positive int, got {value!r}")
+        fused = self.num_fused_shared_experts
+        if not isinstance(fused, int) or fused < 0:
+            raise ValueError(
+                f"ParallelismConfig.num_fused_shared_experts must be an int >= 0, got {fused!r}"
+            )
+        dense = self.moe_dense_tp_size
+        if dense is not None and (not isinstance(dense, int) or dense < 1 or self.tp_size % dense):
+            raise ValueError(
+                f"ParallelismConfig.moe_dense_tp_size={dense!r} must be a positive int that "
+                f"divides tp_size={self.tp_size}"
+            )
         if self.tp_size % self.ep_size:
             raise ValueError(
                 f"ParallelismConfig: ep_size={self.ep_size} must divide tp_size={self.tp_size}"
@@ -133,4 +153,6 @@ class ParallelismConfig:
             self.moe_tp_rank,
             self.attn_tp_size,
             self.attn_tp_rank,
+            self.num_fused_shared_experts,
+            self.moe_dense_tp_size,
         )
