@@ -20,7 +20,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # The packages and top-level modules of weightsync, and what each may import of the others.
-_BASE = {"errors", "layout", "torch_dtypes", "checkpoint", "cuda_events", "delta_codec"}
+_BASE = {
+    "errors",
+    "layout",
+    "torch_dtypes",
+    "checkpoint",
+    "cuda_events",
+    "delta_codec",
+    "delta_wire",
+}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "layout": {"errors"},
@@ -28,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"errors", "layout"},
     "cuda_events": set(),
     "delta_codec": set(),
+    "delta_wire": set(),
     "plan": {"errors", "layout"},
     "predict": {"errors", "layout", "plan"},
     "transport": {"errors"},

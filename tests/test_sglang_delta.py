@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -491,7 +492,7 @@ def test_the_loader_imports_light() -> None:
     heavy |= {"typer", "rich", "safetensors"}
     assert not heavy & loaded, heavy & loaded
     ours = {m.split(".")[1] for m in loaded if m.startswith("weightsync.")}
-    assert ours <= {"errors", "delta_codec", "transport", "integrations"}, ours
+    assert ours <= {"errors", "delta_codec", "delta_wire", "transport", "integrations"}, ours
 
 
 # --- real SGLang 0.5.23 on this CPU ---------------------------------------------------------
@@ -578,18 +579,25 @@ def test_weightsync_admits_every_version_sglang_pins(sglang_venv) -> None:
 
 
 @pytest.fixture(scope="module")
-def replica(sglang_venv, tmp_path_factory) -> Iterator:
-    """Real SGLang, tp 1, float32 weights loaded from a bf16 checkpoint (so they are bf16
-    values, as a bf16 trainer's), started with the delta loader on its PYTHONPATH."""
-    from sglang_cpu.launch import STUBS_DIR, start_sglang
+def bf16_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen3 checkpoint in bf16."""
     from weightsync.testing.presets import preset_config, write_random_checkpoint
 
-    checkpoint = write_random_checkpoint(
+    return write_random_checkpoint(
         tmp_path_factory.mktemp("sglang-delta-qwen3"),
         preset_config("tiny"),
         dtype=torch.bfloat16,
         seed=23,
     )
+
+
+@pytest.fixture(scope="module")
+def replica(sglang_venv, bf16_checkpoint, tmp_path_factory) -> Iterator:
+    """Real SGLang, tp 1, float32 weights loaded from a bf16 checkpoint (so they are bf16
+    values, as a bf16 trainer's), started with the delta loader on its PYTHONPATH."""
+    from sglang_cpu.launch import STUBS_DIR, start_sglang
+
+    checkpoint = bf16_checkpoint
     server = start_sglang(
         sglang_venv,
         checkpoint,
@@ -765,3 +773,137 @@ def test_real_sglang_refuses_a_wrong_base_and_keeps_serving(replica, sglang_trai
         {"input_ids": [1, 17, 42], "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
     )
     assert tokens.status == 200 and len(tokens.body["output_ids"]) == 2, tokens
+
+
+PROMPTS = ((1, 17, 42, 7), (600, 2, 31, 99, 5))
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_trainer_sync_drives_real_sglangs_delta_loader(
+    replica, bf16_checkpoint, sglang_trainer, monkeypatch
+) -> None:
+    """`TrainerSync(delta=True)` into real SGLang started with the loader: the first sync is
+    full and checked against the trainers' checksums of every byte; the next ones are
+    deltas through the loader, a fraction of the bytes; a write outside any sync makes the
+    next one full (and verified) again; every parameter equals the trainer's after every sync
+    and greedy generation equals the trainer's. A delta that fails its check leaves the
+    replica paused; the next sync recovers it in full."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    import weightsync as ws
+    from weightsync.layout import ParallelismConfig
+    from weightsync.manager.delta_loader import LoaderCalls
+    from weightsync.receiver.loader import shard_state_dict
+    from weightsync.testing.reference import greedy_tokens, served_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.float32)
+    master = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = ws.SyncConfig(
+        sender=ws.SenderConfig(bucket_bytes=256 << 10, timeout_s=10),
+        control=ws.ControlConfig(api_key=SGLANG_API_KEY),
+        delta=True,
+    )
+    trainer = sglang_trainer
+    seen = []
+    with ws.TrainerSync(config, hf_config=model.config, replicas=[replica.url]) as sync:
+        for step in range(5):
+            if step:
+                # A bf16 trainer: fp32 master weights, served rounded to bf16 (few change).
+                _bf16_step(master, seed=100 + step, lr=3e-6)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(master[name].to(torch.bfloat16).float())
+            if step == 3:
+                # Bytes written outside any sync: the replica no longer holds its base.
+                trainer.reset()
+                rank = Rank(replica, trainer)
+                stray = rank.read()
+                name = rank.names[0]
+                stray[name].view(-1)[0] += 1.0
+                rank.write(stray)
+            report = sync.sync(ws.ModelExport(model))
+            write = report.writes[replica.url]
+            seen.append((write.mode, write.num_bytes, write.density))
+            expected_mode = "full" if step in (0, 3) else "delta"
+            assert write.mode == expected_mode, (step, write)
+            if write.mode == "delta":
+                assert write.num_bytes < write.full_bytes // 5, (step, write)
+            else:
+                assert write.why_full, write
+            assert replica.url in report.replicas and not report.dropped, report
+
+            trainer.reset()
+            now = Rank(replica, trainer).read()
+            laid_out = shard_state_dict(
+                model.state_dict(),
+                model.config.to_dict(),
+                ParallelismConfig(tp_size=1, tp_rank=0),
+                "float32",
+            )
+            assert set(now) <= set(laid_out), set(now) - set(laid_out)
+            for name, value in now.items():
+                wanted = laid_out[name].reshape(-1)
+                assert torch.equal(as_bits(value), as_bits(wanted)), (step, name)
+            served = asyncio.run(
+                served_tokens([replica.url], PROMPTS, max_new_tokens=6, api_key=SGLANG_API_KEY)
+            )
+            assert served[replica.url] == greedy_tokens(model, torch.float32, PROMPTS, 6), step
+
+        # A delta that does not verify (the trainers' expected checksum of one parameter is
+        # off by one): the replica stays paused, and the error names it.
+        real_call = LoaderCalls.call
+
+        async def wrong_expected(self, client, targets, ranks, *, finish):
+            ranks = {
+                rank: dataclasses.replace(
+                    share, expected={**share.expected, name: share.expected[name] + 1}
+                )
+                if share.payloads and (name := sorted(share.expected)[0])
+                else share
+                for rank, share in ranks.items()
+            }
+            return await real_call(self, client, targets, ranks, finish=finish)
+
+        _bf16_step(master, seed=200, lr=3e-6)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(master[name].to(torch.bfloat16).float())
+        monkeypatch.setattr(LoaderCalls, "call", wrong_expected)
+        with pytest.raises(ws.WeightSyncError, match="differ from the trainers' checksums") as bad:
+            sync.sync(ws.ModelExport(model), version="broken")
+        monkeypatch.setattr(LoaderCalls, "call", real_call)
+        notes = " ".join(getattr(bad.value, "__notes__", []))
+        assert "stay paused" in notes and replica.url in notes, notes
+        assert replica.get("/ready").status == 503  # paused: no request starts
+
+        # The next sync writes it in full, checks every byte, and it serves again.
+        report = sync.sync(ws.ModelExport(model))
+        write = report.writes[replica.url]
+        assert write.mode == "full" and "no verified base" in write.why_full, write
+        served = asyncio.run(
+            served_tokens([replica.url], PROMPTS, max_new_tokens=6, api_key=SGLANG_API_KEY)
+        )
+        assert served[replica.url] == greedy_tokens(model, torch.float32, PROMPTS, 6)
+    print(f"TrainerSync into real SGLang's delta loader (mode, bytes, density): {seen}")
+
+
+@pytest.mark.parametrize(
+    ("loaders", "serves"),
+    [
+        ([LOAD_FORMAT], True),
+        (["my.loader", LOAD_FORMAT], True),
+        (LOAD_FORMAT, True),
+        (["my.loader"], False),
+        ([], False),
+        (None, False),
+        (7, False),
+    ],
+)
+def test_a_replica_serves_delta_calls_only_with_the_loader(loaders, serves) -> None:
+    from weightsync.delta_wire import serves_delta_loader
+
+    assert serves_delta_loader({"custom_weight_loader": loaders}) is serves
+    assert serves_delta_loader({}) is False

@@ -521,17 +521,20 @@ class RolloutClient(AsyncHttpClient):
         load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
+        selector: Selector = "all",
         timeout_s: float | None = None,
     ) -> SuccessResponse:
         """``POST /update_weights_from_tensor``: every tp rank rebuilds the tensors of its
         payload (``serialized_named_tensors[tp_rank]``, `weightsync.baseline.shared_tensors`:
         shared by reference, so the sender keeps them alive and unchanged until this returns)
-        and loads them."""
+        and loads them, with the custom weight loader `load_format` where one is named (a
+        delta call, `weightsync.delta_wire`); `selector` names the models it loads into."""
         body = UpdateWeightsFromTensorRequest(
             serialized_named_tensors=list(serialized_named_tensors),
             load_format=load_format,
             flush_cache=flush_cache,
             weight_version=weight_version,
+            selector=selector,
         )
         return await self._success("/update_weights_from_tensor", body, timeout_s)
 

@@ -20,8 +20,8 @@ instead of blocking forever. Each message is a frozen dataclass, checked by type
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -47,6 +47,11 @@ class PushOrder:
             not in `delta_sessions`), every rank runs `WeightSender.push_delta` with this
             token; None: no delta push.
         delta_sessions: the session ids of the targets that take a delta.
+        delta_pulls: those of them that read their payloads from the trainers' memory
+            (`WeightSender.push_delta`'s ``pulls``).
+        laid_out_sessions: full targets whose every parameter the ranks checksum as they
+            wrote it (`weightsync.sender.base_checksums.LaidOutChecksums`), to check the replica's
+            checksums after the push against.
     """
 
     new_plan: bool
@@ -54,6 +59,8 @@ class PushOrder:
     fences: tuple[Fence, ...] = ()
     delta_token: int | None = None
     delta_sessions: frozenset[str] = frozenset()
+    delta_pulls: frozenset[str] = frozenset()
+    laid_out_sessions: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,12 +77,15 @@ class RankOutcome:
         stats: its push's stats, when it succeeded.
         error: what it raised, when it failed.
         delta: its delta push's stats, when it ran one.
+        laid_out: per session id of ``PushOrder.laid_out_sessions``, ``{param_name:
+            checksum}`` of what this rank wrote there.
     """
 
     rank: int
     stats: PushStats | None = None
     error: BaseException | None = None
     delta: DeltaStats | None = None
+    laid_out: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

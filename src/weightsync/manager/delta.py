@@ -14,6 +14,14 @@ parameter's checksum became base + change; a full replica reports its checksums.
 taken before the session ends, that is before post-load processing, so that a base always
 means "the bytes the trainers pushed". The replicas verified at the end keep their new
 checksums as their base; every other replica of the update loses its base.
+
+SGLang as released takes the same syncs through its custom weight loader
+(`weightsync.manager.delta_loader`): the proof, the apply and the read after are delta calls,
+the payloads stay in the trainers' memory for the ranks to read, and the session's last call
+runs the post-load processing SGLang then skips at the end. SGLang has no digests to verify a
+full write with, so the trainers checksum every parameter of such a replica's layout as
+they wrote it (`PushResult.laid_out`) and its checksums after the push must equal them:
+every byte is checked, and its base is those checksums.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from weightsync.control.protocol import WEIGHT_SYNC_DELTA
+from weightsync.delta_wire import DeltaReply, Remote, ReplyStatus, serves_delta_loader
+from weightsync.errors import RemoteReplicaError
+from weightsync.manager.delta_loader import LoaderCalls, RankCall
 from weightsync.manager.lifecycle import settled
 from weightsync.manager.replicas import ReplicaSet
 from weightsync.manager.update import OpenUpdate, PushResult
@@ -58,16 +69,32 @@ class DeltaChoice:
         delta: replicas that take a delta, with the checksums they proved at begin.
         full: replicas that can take deltas but take full bytes this time, with why.
         after: per replica, its checksums after the push (before its session ended).
+        loaders: the replicas among them that take delta calls through SGLang's custom
+            weight loader (they read their payloads; their full writes are checked against
+            the trainers' checksums).
     """
 
     token: int
     delta: dict[str, RankChecksums] = field(default_factory=dict)
     full: dict[str, str] = field(default_factory=dict)
     after: dict[str, RankChecksums] = field(default_factory=dict)
+    loaders: frozenset[str] = frozenset()
 
     def sessions(self, targets: Sequence[TargetRank]) -> frozenset[str]:
         """The session ids of the targets that take a delta."""
         return frozenset(t.session_id for t in targets if t.replica in self.delta)
+
+    def pulls(self, targets: Sequence[TargetRank]) -> frozenset[str]:
+        """The session ids of the delta targets that read their payloads."""
+        return frozenset(
+            t.session_id for t in targets if t.replica in self.delta and t.replica in self.loaders
+        )
+
+    def laid_out(self, targets: Sequence[TargetRank]) -> frozenset[str]:
+        """The session ids of the full targets whose checksums the trainers compute."""
+        return frozenset(
+            t.session_id for t in targets if t.replica in self.full and t.replica in self.loaders
+        )
 
     def mode(self, url: str) -> str:
         """``"delta"`` or ``"full"`` for replica `url`."""
@@ -96,12 +123,22 @@ class DeltaSyncs:
         timeout_s: the deadline of each call.
         check: how replicas check after applying (``"changes"`` or ``"full"``,
             `ControlConfig.delta_check`).
+        loader: the calls into SGLang replicas started with the delta loader (None: such
+            replicas take full bytes).
     """
 
-    def __init__(self, replicas: ReplicaSet, *, timeout_s: float, check: str = "changes") -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        *,
+        timeout_s: float,
+        check: str = "changes",
+        loader: LoaderCalls | None = None,
+    ) -> None:
         self._replicas = replicas
         self._timeout_s = timeout_s
         self._check = check
+        self._loader = loader
         self._bases: dict[str, DeltaBase] = {}
 
     def base(self, url: str) -> DeltaBase | None:
@@ -112,16 +149,37 @@ class DeltaSyncs:
         """Drop the bases of `urls` (removed, or no longer known to hold them)."""
         for url in urls:
             self._bases.pop(url, None)
+            if self._loader is not None:
+                self._loader.forget(url)
+
+    def close(self) -> None:
+        """Free the delta calls' reply memory."""
+        if self._loader is not None:
+            self._loader.close()
+
+    def loads(self, url: str) -> bool:
+        """Whether replica `url` takes delta calls through SGLang's custom weight loader
+        (and this driver can make them)."""
+        protocol = self._replicas.protocols.get(url)
+        return (
+            self._loader is not None
+            and protocol is not None
+            and protocol.kind == "sglang"
+            and serves_delta_loader(self._replicas.server_infos.get(url, {}))
+        )
 
     def capable(self, url: str, targets: Sequence[TargetRank]) -> bool:
         """Whether replica `url` can take deltas: it serves them and every rank offers a
-        delta region."""
-        protocol = self._replicas.protocols.get(url)
+        delta region, or it runs the delta loader."""
         ranks = [t for t in targets if t.replica == url]
+        if not ranks:
+            return False
+        if self.loads(url):
+            return True
+        protocol = self._replicas.protocols.get(url)
         return (
             protocol is not None
             and protocol.serves(WEIGHT_SYNC_DELTA)
-            and bool(ranks)
             and all(t.delta_region is not None for t in ranks)
         )
 
@@ -135,9 +193,9 @@ class DeltaSyncs:
             reference: the label of the push the trainers' reference holds now (None: it
                 holds none, so every replica takes full bytes).
         """
-        choice = DeltaChoice(token=token)
-        update.delta = choice
         capable = [u for u in update.replicas if self.capable(u, update.targets)]
+        choice = DeltaChoice(token=token, loaders=frozenset(u for u in capable if self.loads(u)))
+        update.delta = choice
         provable = []
         for url in capable:
             base = self._bases.get(url)
@@ -163,22 +221,60 @@ class DeltaSyncs:
             logger.info("replica %s takes full bytes: %s", url, why)
         return choice
 
-    async def _checksums(self, update: OpenUpdate, url: str) -> RankChecksums:
+    async def _checksums(
+        self, update: OpenUpdate, url: str, *, finish: bool = False
+    ) -> RankChecksums:
+        """Every rank's checksums now (`finish`: the loader's last call of the session)."""
         client = self._replicas.clients[url]
+        if update.delta is not None and url in update.delta.loaders:
+            ranks = [t for t in update.targets if t.replica == url]
+            replies = await self._loader_call(url, ranks, {}, finish=finish)
+            return {rank: reply.checksums for rank, reply in replies.items()}
         return await client.delta_checksums(
             session_token=update.sessions.tokens.get(url), timeout_s=self._timeout_s
         )
+
+    async def _loader_call(
+        self,
+        url: str,
+        targets: Sequence[TargetRank],
+        ranks: Mapping[int, RankCall],
+        *,
+        finish: bool,
+    ) -> dict[int, DeltaReply]:
+        """A delta call through the loader whose every rank verified, else raise with the
+        first rank's reason."""
+        if self._loader is None:
+            raise RemoteReplicaError(
+                f"replica {url}: this driver makes no delta calls (it has no Mooncake transport)",
+                replica=url,
+                route="/update_weights_from_tensor",
+            )
+        replies = await self._loader.call(
+            self._replicas.clients[url], targets, ranks, finish=finish
+        )
+        for _, reply in sorted(replies.items()):
+            if reply.status is not ReplyStatus.APPLIED:
+                # The message says whether anything was written.
+                raise RemoteReplicaError(
+                    f"replica {url}: {reply.message}",
+                    replica=url,
+                    route="/update_weights_from_tensor",
+                )
+        return replies
 
     async def apply(
         self, update: OpenUpdate, result: PushResult, live: Collection[str]
     ) -> tuple[PushResult, dict[str, str]]:
         """Apply the deltas on the `live` delta replicas (those whose writes all landed)
-        and read the `live` full replicas' checksums.
+        and read the `live` full replicas' checksums (a loader replica's must equal the
+        trainers', ``result.laid_out``).
 
         Returns:
-            `result` with ``delta_verified`` naming the replicas whose ranks verified their
-            delta, and ``{url: why}`` of the delta replicas that did not (their weights are
-            not what the trainers meant: they stay paused and dirty).
+            `result` with ``delta_verified`` naming the replicas whose every byte the
+            checksums verified (their delta, or a loader replica's full write), and
+            ``{url: why}`` of the replicas that did not verify (their weights are not what
+            the trainers meant: they stay paused and dirty).
         """
         choice = update.delta
         if choice is None:
@@ -194,26 +290,42 @@ class DeltaSyncs:
             ranks = {}
             base = choice.delta[url]
             for target in by_replica[url]:
-                written = deltas.get(target.session_id)
-                payloads = written.payloads if written is not None else ()
-                changes = written.changes if written is not None else {}
+                written = deltas.get(target.session_id, DeltaWrite())
                 expected = {
                     name: wrap_int64(base[target.rank][name] + change)
-                    for name, change in changes.items()
+                    for name, change in written.changes.items()
                 }
-                ranks[target.rank] = (payloads, expected)
+                ranks[target.rank] = (written, expected)
+            if url in choice.loaders:
+                calls = {
+                    rank: RankCall(
+                        payloads=tuple(
+                            Remote(session_id=s, addr=a, num_bytes=n) for s, a, n in w.pulled
+                        ),
+                        # Proven again just before the writes: nothing moved since `choose`.
+                        base={name: base[rank][name] for name in expected},
+                        expected=expected,
+                    )
+                    for rank, (w, expected) in ranks.items()
+                }
+                replies = await self._loader_call(url, by_replica[url], calls, finish=True)
+                return {rank: reply.checksums for rank, reply in replies.items()}
             client = self._replicas.clients[url]
-            replies = await client.apply_delta(
+            answers = await client.apply_delta(
                 session_token=update.sessions.tokens.get(url),
-                ranks=ranks,
+                ranks={rank: (w.payloads, e) for rank, (w, e) in ranks.items()},
                 check=self._check,
                 timeout_s=self._timeout_s,
             )
-            return {rank: reply.checksums for rank, reply in replies.items()}
+            return {rank: reply.checksums for rank, reply in answers.items()}
+
+        async def read_full(url: str) -> RankChecksums:
+            # The loader's last call of the session runs the post-load processing.
+            return await self._checksums(update, url, finish=url in choice.loaders)
 
         applied, read = await asyncio.gather(
             settled(apply_one(u) for u in delta_urls),
-            settled(self._checksums(update, u) for u in full_urls),
+            settled(read_full(u) for u in full_urls),
         )
         failed: dict[str, str] = {}
         verified = []
@@ -224,7 +336,21 @@ class DeltaSyncs:
                 choice.after[url] = reply
                 verified.append(url)
         for url, reply in zip(full_urls, read, strict=True):
-            if isinstance(reply, BaseException):
+            if url in choice.loaders:
+                # No digests: every byte is checked against the trainers' checksums.
+                if isinstance(reply, BaseException):
+                    failed[url] = f"its checksums after the full write could not be read: {reply}"
+                    continue
+                differs = _first_difference(_laid_out(by_replica[url], result.laid_out), reply)
+                if differs is not None:
+                    failed[url] = (
+                        f"its weights after the full write are not what the trainers wrote "
+                        f"({differs})"
+                    )
+                    continue
+                choice.after[url] = reply
+                verified.append(url)
+            elif isinstance(reply, BaseException):
                 logger.warning("replica %s: no checksums after its full sync (%s)", url, reply)
             else:
                 choice.after[url] = reply
@@ -253,6 +379,19 @@ class DeltaSyncs:
         equal them. The base replaces any the replica had; `record` replaces it in turn.
         """
         self._bases[url] = base
+
+
+def _laid_out(
+    targets: Sequence[TargetRank], laid_out: Mapping[str, Mapping[str, int]]
+) -> dict[int, dict[str, int]]:
+    """Per rank of `targets`, every published parameter's checksum as the trainers wrote it
+    (a parameter no trainer rank writes: zeros, checksum 0)."""
+    out = {}
+    for target in targets:
+        sums = dict.fromkeys(target.weights_info, 0)
+        sums.update(laid_out.get(target.session_id, {}))
+        out[target.rank] = sums
+    return out
 
 
 def _first_difference(kept: RankChecksums, now: RankChecksums) -> str | None:

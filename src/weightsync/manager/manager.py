@@ -24,6 +24,7 @@ from weightsync.errors import (
 from weightsync.manager.check import BitExactCheck
 from weightsync.manager.config import ControlConfig
 from weightsync.manager.delta import DeltaBase, DeltaChoice, DeltaSyncs, replica_writes
+from weightsync.manager.delta_loader import LoaderCalls
 from weightsync.manager.lifecycle import (
     Finished,
     FusedLifecycle,
@@ -38,6 +39,7 @@ from weightsync.manager.report import PhaseTimes, SyncReport
 from weightsync.manager.update import OpenUpdate, PushResult, stay_paused
 from weightsync.manager.versions import LabelBook
 from weightsync.plan import TargetRank
+from weightsync.transport import MooncakeTransport, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +104,20 @@ class SyncManager:
     rank 0); it is not thread-safe, and its coroutines must run on one event loop.
     """
 
-    def __init__(self, replicas: Sequence[str] = (), config: ControlConfig | None = None) -> None:
-        """Create a manager for `replicas` (base URLs of their main HTTP servers)."""
+    def __init__(
+        self,
+        replicas: Sequence[str] = (),
+        config: ControlConfig | None = None,
+        *,
+        transport: Transport | None = None,
+    ) -> None:
+        """Create a manager for `replicas` (base URLs of their main HTTP servers).
+
+        `transport`, a Mooncake transport of this process (a trainer's), lets it make delta
+        calls into SGLang replicas started with the delta loader (`weightsync.delta_wire`):
+        their ranks write their replies into memory registered with it. Without one, such
+        replicas take full bytes. The manager does not close it.
+        """
         self._config = config or ControlConfig()
         self._known = ReplicaSet(
             api_key=self._config.api_key, http_timeout_s=self._config.http_timeout_s
@@ -116,6 +130,11 @@ class SyncManager:
             self._known,
             timeout_s=self._config.lifecycle_timeout_s,
             check=self._config.delta_check,
+            loader=(
+                LoaderCalls(transport, timeout_s=self._config.lifecycle_timeout_s)
+                if isinstance(transport, MooncakeTransport)
+                else None
+            ),
         )
         self._labels = LabelBook()
         self._epoch = 0
@@ -203,7 +222,8 @@ class SyncManager:
         self._labels.forget((url,))
 
     async def aclose(self) -> None:
-        """Close every replica's HTTP client."""
+        """Close every replica's HTTP client (and free the delta calls' reply memory)."""
+        self._deltas.close()
         await self._known.aclose()
 
     async def __aenter__(self) -> SyncManager:

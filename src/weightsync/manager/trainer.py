@@ -124,7 +124,10 @@ class TrainerSync:
                 timeout_s=self._config.collective_timeout_s,
             )
             if self._collective.is_driver:
-                self._manager = SyncManager(replicas, self._config.control)
+                # The driver's transport takes the replies of SGLang's delta loader.
+                self._manager = SyncManager(
+                    replicas, self._config.control, transport=self._transport
+                )
                 self._loop = new_event_loop(self._config.control.event_loop)
         except BaseException:
             if self._owns_transport:
@@ -410,6 +413,8 @@ class TrainerSync:
                 fences=update.fences,
                 delta_token=choice.token if choice is not None else None,
                 delta_sessions=choice.sessions(update.targets) if choice else frozenset(),
+                delta_pulls=choice.pulls(update.targets) if choice else frozenset(),
+                laid_out_sessions=choice.laid_out(update.targets) if choice else frozenset(),
             )
             ordered = True
             self._collective.broadcast(order, (PushOrder,))
@@ -643,6 +648,7 @@ class TrainerSync:
                 rank=o.rank,
                 stats=o.stats if o.error is None else o.error.result,
                 delta=o.delta,
+                laid_out=o.laid_out,
             )
             for o in outcomes
         ]
@@ -692,10 +698,20 @@ class TrainerSync:
         except PartialPushError as exc:
             error = exc
         delta = None
+        laid_out: dict[str, dict[str, int]] = {}
         if order.delta_token is not None:
             targets = [t for t in _plan_targets(plan) if t.session_id in order.delta_sessions]
-            delta = self._sender.push_delta(plan, export, targets, token=order.delta_token)
-        return RankOutcome(rank=self.rank, stats=stats, error=error, delta=delta)
+            sums = None
+            if order.laid_out_sessions:
+                # The delta push reads the stream once more: it checksums what was written.
+                sums = LaidOutChecksums(plan.restricted(order.laid_out_sessions))
+                export = TappedExport(export, sums.add)
+            delta = self._sender.push_delta(
+                plan, export, targets, token=order.delta_token, pulls=order.delta_pulls
+            )
+            if sums is not None:
+                laid_out = sums.per_session()
+        return RankOutcome(rank=self.rank, stats=stats, error=error, delta=delta, laid_out=laid_out)
 
 
 def rollout_fp8(targets: Sequence[TargetRank]) -> int:
@@ -718,6 +734,7 @@ def _summarize(outcomes: Sequence[RankOutcome], targets: Sequence[TargetRank]) -
         {o.rank: o.stats for o in outcomes if o.stats is not None},
         targets,
         {o.rank: o.delta for o in outcomes if o.delta is not None},
+        [o.laid_out for o in outcomes if o.laid_out],
     )
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from weightsync.manager.versions import HeldLabel
 from weightsync.plan import TargetRank
-from weightsync.sender import DeltaStats, Fence, PushStats
+from weightsync.sender import DeltaStats, Fence, PushStats, wrap_int64
 
 if TYPE_CHECKING:
     from weightsync.manager.delta import DeltaChoice
@@ -75,7 +75,12 @@ class PushResult:
             had landed.
         deltas: every source rank's delta push (`WeightSender.push_delta`), by rank; empty
             when the sync keeps no delta reference.
-        delta_verified: the replicas whose ranks applied their delta and verified it.
+        delta_verified: the replicas whose every byte the update's checksums verified
+            (`weightsync.manager.delta`): they applied their delta and checked it, or, run
+            by SGLang's delta loader, hold after a full write what the trainers wrote.
+        laid_out: per target session id, ``{param_name: checksum}`` of what all sources
+            wrote there, for the full targets the sync asked them to checksum
+            (`weightsync.sender.base_checksums.LaidOutChecksums`); empty otherwise.
     """
 
     bytes_written: int
@@ -90,6 +95,7 @@ class PushResult:
     landing: Landing | None = field(default=None, compare=False)
     deltas: Mapping[int, DeltaStats] = field(default_factory=dict)
     delta_verified: frozenset[str] = frozenset()
+    laid_out: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     @classmethod
     def of_ranks(
@@ -97,9 +103,10 @@ class PushResult:
         stats: Mapping[int, PushStats],
         targets: Sequence[TargetRank],
         deltas: Mapping[int, DeltaStats] | None = None,
+        laid_out: Sequence[Mapping[str, Mapping[str, int]]] = (),
     ) -> PushResult:
-        """Every source rank's `PushStats` (by rank) and delta pushes added up, bytes
-        counted per replica."""
+        """Every source rank's `PushStats` (by rank), delta pushes and checksums of what it
+        wrote (`laid_out`, one mapping per rank) added up, bytes counted per replica."""
         replica_of = {t.session_id: t.replica for t in targets}
         deltas = dict(deltas or {})
         per_replica: dict[str, int] = {}
@@ -130,6 +137,7 @@ class PushResult:
             per_source=dict(stats),
             digests=digests,
             deltas=deltas,
+            laid_out=_added(laid_out),
         )
 
     @property
@@ -230,3 +238,15 @@ def stay_paused(replicas: Sequence[str]) -> str:
         f"the update failed after writing began: replicas {', '.join(replicas)} stay paused "
         "(they may hold mixed weights) until a later update to them succeeds"
     )
+
+
+def _added(shares: Sequence[Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, int]]:
+    """Per session id and parameter, the checksums of the sources' shares added up (a
+    checksum is linear in the bytes)."""
+    out: dict[str, dict[str, int]] = {}
+    for share in shares:
+        for session_id, sums in share.items():
+            total = out.setdefault(session_id, {})
+            for name, value in sums.items():
+                total[name] = wrap_int64(total.get(name, 0) + value)
+    return out

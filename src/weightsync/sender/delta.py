@@ -12,6 +12,11 @@ Beside each payload the push reports, per parameter, how the rank's writes move 
 parameter's checksum (`weightsync.delta_codec.checksum_change`), which the driver adds to
 the target's proven base to get the checksum the target must reach.
 
+A target may instead *pull* its payloads (SGLang as released, through its custom weight
+loader, `weightsync.delta_wire`): nothing is written to it; the payloads stay in this rank's
+registered staging buffer until the next push, and the push reports where they lie
+(`DeltaWrite.pulled`) for the driver to name in the target's call.
+
 A push with no delta target still records every tensor as the new reference, so that the
 next push can take deltas against it.
 """
@@ -19,7 +24,7 @@ next push can take deltas against it.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,6 +63,8 @@ class DeltaWrite:
     Attributes:
         payloads: ``(offset, num_bytes)`` of each payload in the target's delta region, in
             the order the target applies them.
+        pulled: for a target that reads its payloads, ``(session_id, addr, num_bytes)`` of
+            each in a trainer rank's registered memory, in the order it applies them.
         num_elements: elements the payloads change.
         full_bytes: bytes a full push of this rank's share would write to the target.
         full_elements: elements of that full push.
@@ -66,6 +73,7 @@ class DeltaWrite:
     """
 
     payloads: tuple[tuple[int, int], ...] = ()
+    pulled: tuple[tuple[str, int, int], ...] = ()
     num_elements: int = 0
     full_bytes: int = 0
     full_elements: int = 0
@@ -79,6 +87,7 @@ class DeltaWrite:
             changes[name] = wrap_int64(changes.get(name, 0) + change)
         return DeltaWrite(
             payloads=self.payloads + other.payloads,
+            pulled=self.pulled + other.pulled,
             num_elements=self.num_elements + other.num_elements,
             full_bytes=self.full_bytes + other.full_bytes,
             full_elements=self.full_elements + other.full_elements,
@@ -87,8 +96,9 @@ class DeltaWrite:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes put on the wire for the target."""
-        return sum(num_bytes for _, num_bytes in self.payloads)
+        """Bytes put on the wire for the target (written, or read by it)."""
+        written = sum(num_bytes for _, num_bytes in self.payloads)
+        return written + sum(num_bytes for _, _, num_bytes in self.pulled)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,9 +279,11 @@ class DeltaPush:
         targets: Sequence[TargetRank],
         *,
         token: int,
+        pulls: Collection[str] = (),
     ) -> DeltaStats:
-        """Encode `export` against the reference, write each delta target's share, and
-        make the export the new reference (labelled `token` once every tensor is read).
+        """Encode `export` against the reference, write each delta target's share (or keep
+        it for the target to read), and make the export the new reference (labelled
+        `token` once every tensor is read).
 
         Args:
             plan: this rank's whole source plan (the delta targets are among its targets).
@@ -279,17 +291,20 @@ class DeltaPush:
             targets: the targets that take a delta (may be empty: the push then only
                 records the reference).
             token: what the reference is labelled once complete.
+            pulls: session ids of the `targets` that read their payloads (they need no
+                delta region).
 
         Raises:
             ValueError: a delta is asked for but the reference lacks a tensor (nothing is
-                written), or a target offers no delta region.
+                written), or a target that does not read its payloads offers no delta
+                region.
             TensorChangedError: a tensor changed while the push read it.
         """
         start = time.perf_counter()
         maps = self.maps(plan)
         sessions = {t.session_id for t in targets}
         for target in targets:
-            if target.delta_region is None:
+            if target.delta_region is None and target.session_id not in pulls:
                 raise ValueError(
                     f"{target.label} offers no delta region; it can only take a full sync"
                 )
@@ -338,7 +353,9 @@ class DeltaPush:
             )
         pins.check(until="the delta push encoding it")
         self.reference.complete(token)
-        written, failed = self._write(plan, maps, targets, pieces) if targets else ({}, {})
+        written, failed = (
+            self._write(plan, maps, targets, pieces, frozenset(pulls)) if targets else ({}, {})
+        )
         end = time.perf_counter()
         return DeltaStats(
             rank=self.rank,
@@ -385,8 +402,10 @@ class DeltaPush:
         maps: tuple[DeltaMap, ...],
         targets: Sequence[TargetRank],
         pieces: dict[tuple[int, int, str], _Pieces],
+        pulls: frozenset[str],
     ) -> tuple[dict[str, DeltaWrite], dict[str, str]]:
-        """Lay out each wanted layout's payload and write it to its delta targets."""
+        """Lay out each wanted layout's payload and write it to its delta targets (those
+        in `pulls` get where it lies instead)."""
         sessions = {t.session_id: t for t in targets}
         # A part's targets publish only that part's parameters; a payload numbers the
         # parameters among all the rank publishes (the whole plan's targets).
@@ -417,8 +436,13 @@ class DeltaPush:
         failed: dict[str, str] = {}
         used: dict[str, int] = dict.fromkeys(sessions, 0)
         self._queue.start()
+        session_id = self._transport.session_id
         for (mine, payload), place in zip(payloads, places, strict=True):
             for target in mine:
+                if target.session_id in pulls:
+                    where = (session_id, buffer.data_ptr() + place, payload.numel())
+                    per_target[target.session_id] += DeltaWrite(pulled=(where,))
+                    continue
                 addr, region_bytes = target.delta_region  # type: ignore[misc]
                 slot_bytes = region_bytes // self.world_size // 8 * 8
                 offset = self.rank * slot_bytes + used[target.session_id]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -322,9 +322,11 @@ class WeightSender:
         targets: Sequence[TargetRank],
         *,
         token: int,
+        pulls: Collection[str] = (),
     ) -> DeltaStats:
-        """Write the changes since the last push into `targets`' delta regions, and keep
-        this push as the reference of the next (`weightsync.sender.delta`).
+        """Write the changes since the last push into `targets`' delta regions (or keep
+        them where the targets in `pulls` read them), and keep this push as the reference
+        of the next (`weightsync.sender.delta`).
 
         Call it after `push` of the same export (which writes the targets that take full
         bytes; it may have none), on every rank, for every push of a sync that keeps a
@@ -336,13 +338,18 @@ class WeightSender:
             targets: the targets that take a delta; their bases must be the bytes of the
                 push the reference holds (the driver checks, `weightsync.manager`).
             token: labels the reference once this push recorded every tensor.
+            pulls: session ids of the `targets` that read their payloads from this rank's
+                staging memory (they need no delta region); the payloads stay there until
+                the next delta push.
 
         Returns:
-            What was written where, per target, with each parameter's checksum change.
+            What was written where (or lies where), per target, with each parameter's
+            checksum change.
 
         Raises:
             ValueError: the sender is closed, a delta is asked for without a complete
-                reference, or a target offers no delta region (nothing is written).
+                reference, or a target that does not read its payloads offers no delta
+                region (nothing is written).
             TensorChangedError: a tensor changed while the push read it.
         """
         if self._closed:
@@ -356,7 +363,7 @@ class WeightSender:
                 timeout_s=self.config.timeout_s,
                 reference=DeltaReference(self.config.delta_reference),
             )
-        return self._delta.push(plan, export, targets, token=token)
+        return self._delta.push(plan, export, targets, token=token, pulls=pulls)
 
     @property
     def delta_reference_bytes(self) -> int:

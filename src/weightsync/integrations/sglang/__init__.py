@@ -15,8 +15,7 @@ This package imports torch, `weightsync.delta_codec` and `weightsync.transport.m
 only, so that it loads inside SGLang's workers beside SGLang's own pins.
 """
 
-from weightsync.integrations.sglang.loader import apply_delta
-from weightsync.integrations.sglang.wire import (
+from weightsync.delta_wire import (
     DESCRIPTOR_NAME,
     LOAD_FORMAT,
     DeltaDescriptor,
@@ -29,6 +28,7 @@ from weightsync.integrations.sglang.wire import (
     reply_bytes,
     request_body,
 )
+from weightsync.integrations.sglang.loader import apply_delta
 
 __all__ = [
     "DESCRIPTOR_NAME",

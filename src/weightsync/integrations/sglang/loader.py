@@ -5,8 +5,8 @@ thread, inside ``POST /update_weights_from_tensor`` with ``load_format`` set to 
 path (`weightsync.integrations.sglang.LOAD_FORMAT`), which the server must have been started
 with (``--custom-weight-loader``). It is called as ``apply_delta(model, named_tensors)``; its
 return value is ignored, and an exception it raises kills the server. So it never raises:
-what it did goes into the reply slot the descriptor names (`weightsync.integrations.sglang.
-wire`), and what it cannot reply goes to the server's log.
+what it did goes into the reply slot the descriptor names (`weightsync.delta_wire`), and
+what it cannot reply goes to the server's log.
 
 Per process it keeps one Mooncake transport, made on the first call, and one host buffer
 registered with it, grown to the largest call so far (payloads are read into it, the reply
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.delta_codec import apply_and_check, checksums
-from weightsync.integrations.sglang.wire import (
+from weightsync.delta_wire import (
     DeltaDescriptor,
     DeltaReply,
     Remote,

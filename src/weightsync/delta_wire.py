@@ -22,8 +22,9 @@ pickled with the standard pickler (`request_body`), which puts the tensor's byte
 pickle: torch's multiprocessing pickler would send a shared-memory handle instead, which
 means nothing on another host.
 
-This module imports torch and the standard library only (the manager builds calls with it,
-the rank's worker reads them).
+This module imports torch and the standard library only: the manager builds calls with it
+(`weightsync.manager.delta_loader`), the rank's worker reads them
+(`weightsync.integrations.sglang.apply_delta`).
 """
 
 from __future__ import annotations
@@ -238,6 +239,15 @@ class DeltaDescriptor:
             )
         except (KeyError, TypeError) as exc:
             raise DescriptorError(f"the descriptor lacks or misnames a field: {exc}") from None
+
+
+def serves_delta_loader(server_info: Mapping[str, object]) -> bool:
+    """Whether a replica's ``/server_info`` says it was started with the delta loader
+    (``--custom-weight-loader`` naming `LOAD_FORMAT`; SGLang reports it as a list)."""
+    loaders = server_info.get("custom_weight_loader")
+    if isinstance(loaders, str):
+        loaders = [loaders]
+    return isinstance(loaders, list | tuple) and LOAD_FORMAT in loaders
 
 
 def request_body(
