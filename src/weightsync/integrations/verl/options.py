@@ -37,8 +37,9 @@ class VerlOptions:
             ``{replica_rank}`` and ``{node_rank}``; stock verl's replicas are found by it.
         lifecycle_timeout_s: deadline of each control-plane call to a replica.
         delta: write only what changed since the last sync into replicas that prove they
-            hold it (``SyncConfig.delta``); SGLang as released cannot prove it yet and takes
-            full bytes.
+            hold it (``SyncConfig.delta``); SGLang as released proves it, and takes the
+            delta, when started with ``--custom-weight-loader
+            weightsync.integrations.sglang.apply_delta``, and takes full bytes otherwise.
 
     Raises:
         ValueError: an unknown key, a value of the wrong type or out of range, or a
