@@ -19,9 +19,12 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import median, print_table
+from weightsync import delta_kernels
 from weightsync.delta_codec import (
     Section,
     apply_and_check,
@@ -54,6 +58,20 @@ def _timed(device: torch.device, work) -> float:
     work()
     _sync(device)
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _torch_ops() -> Iterator[None]:
+    """Run the delta path with torch's ops instead of the fused kernels."""
+    before = os.environ.get("WEIGHTSYNC_DELTA_KERNELS")
+    os.environ["WEIGHTSYNC_DELTA_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["WEIGHTSYNC_DELTA_KERNELS"]
+        else:
+            os.environ["WEIGHTSYNC_DELTA_KERNELS"] = before
 
 
 def _encode(reference: DeltaReference, weights: list[torch.Tensor]) -> list:
@@ -90,10 +108,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     derived = {name: w.clone() for name, w in zip(_names(count), weights, strict=True)}
     copies = [torch.empty_like(w) for w in weights]
     reference = DeltaReference("device")
+    # The same reference for torch's ops, where the fused kernels run: both in one run.
+    kernels = delta_kernels.ready(device)
+    plain = DeltaReference("device") if kernels else None
     for index, weight in enumerate(weights):
         reference.record("bfloat16", str(index), weight)
+        if plain is not None:
+            plain.record("bfloat16", str(index), weight)
     times: dict[str, list[float]] = {
-        k: [] for k in ("copy", "encode", "layout", "apply", "checksum", "begin", "changes")
+        k: []
+        for k in (
+            "copy",
+            "encode",
+            "layout",
+            "apply",
+            "checksum",
+            "begin",
+            "changes",
+            "encode_torch",
+            "begin_torch",
+        )
     }
     num_bytes = count * numel * 2
     changed = 0
@@ -109,6 +143,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         times["encode"].append(
             _timed(device, lambda f=found: f.extend(_encode(reference, weights)))
         )
+        if plain is not None:
+            with _torch_ops():
+                torch_found: list = []
+                times["encode_torch"].append(
+                    _timed(device, lambda f=torch_found: f.extend(_encode(plain, weights)))
+                )
+                with_torch = {name: w for name, w in zip(_names(count), params, strict=True)}
+                times["begin_torch"].append(_timed(device, lambda p=with_torch: checksums(p)))
+            for ours, theirs in zip(found, torch_found, strict=True):
+                if not (
+                    torch.equal(ours.elements, theirs.elements)
+                    and torch.equal(ours.new, theirs.new)
+                    and torch.equal(ours.old, theirs.old)
+                ):
+                    raise RuntimeError("the fused encode differs from torch's")
         laid: list = []
         times["layout"].append(
             _timed(device, lambda f=found, o=laid: o.append(_lay_out(f, numel, device)))
@@ -142,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 and torch.equal(as_bits(other), as_bits(param))
             ):
                 raise RuntimeError("an applied delta differs from the new weights")
-    medians = {k: median(v) for k, v in times.items()}
+    medians = {k: median(v) for k, v in times.items() if v}
     return {
         "bench": "delta_kernels",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -161,6 +210,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # derived one (apply_and_check, check="changes").
         "full_check_s": medians["apply"] + medians["checksum"],
         "changes_check_s": medians["changes"],
+        "fused_kernels": kernels,
+        # Where the fused kernels ran: torch's ops on the same work, in the same run.
+        "encode_torch_read_gbps": (
+            2 * num_bytes / medians["encode_torch"] / 1e9 if "encode_torch" in medians else None
+        ),
+        "begin_torch_gbps": (
+            num_bytes / medians["begin_torch"] / 1e9 if "begin_torch" in medians else None
+        ),
         "bit_exact": True,
     }
 
@@ -200,6 +257,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{seconds['begin'] * 1e3:.2f}",
             f"{result['begin_gbps']:.0f} GB/s",
         ],
+        *(
+            [
+                [
+                    "encode, torch's ops",
+                    f"{seconds['encode_torch'] * 1e3:.2f}",
+                    f"{result['encode_torch_read_gbps']:.0f} GB/s read",
+                ],
+                [
+                    "begin checksums, torch's ops",
+                    f"{seconds['begin_torch'] * 1e3:.2f}",
+                    f"{result['begin_torch_gbps']:.0f} GB/s",
+                ],
+            ]
+            if result["fused_kernels"]
+            else []
+        ),
         [
             "apply + check, full",
             f"{result['full_check_s'] * 1e3:.2f}",

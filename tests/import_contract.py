@@ -28,6 +28,8 @@ _BASE = {
     "cuda_events",
     "delta_codec",
     "delta_wire",
+    "delta_kernels",
+    "delta_triton",
 }
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -35,7 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "torch_dtypes": {"layout"},
     "checkpoint": {"errors", "layout"},
     "cuda_events": set(),
-    "delta_codec": set(),
+    "delta_triton": set(),
+    "delta_kernels": {"delta_triton"},
+    "delta_codec": {"delta_kernels"},
     "delta_wire": set(),
     "plan": {"errors", "layout"},
     "predict": {"errors", "layout", "plan"},

@@ -47,6 +47,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from weightsync import delta_kernels
+
 MAGIC = 0x57534445_4C544131  # "WSDELTA1"
 FORMAT_VERSION = 1
 HEAD_WORDS = 8
@@ -624,6 +626,25 @@ def checksum_tensor(param: torch.Tensor) -> torch.Tensor:
 
 
 def _device_checksum(words: torch.Tensor) -> torch.Tensor:
+    """`checksum_tensor` of int64 `words` on their device."""
+    return _device_checksums([words])[0]
+
+
+def _device_checksums(words: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`checksum_tensor` of each int64 tensor of `words` (one device), as one int64
+    tensor: one fused pass over all of them where the kernels run
+    (`weightsync.delta_kernels`), torch ops otherwise."""
+    if not delta_kernels.ready(words[0].device):
+        return torch.stack([_torch_checksum(w) for w in words])
+    totals = delta_kernels.checksum_words(words)
+    for index, tensor in enumerate(words):
+        rows, _, _, tail_w = _weights(tensor.numel(), tensor.device)
+        if tail_w.numel():
+            totals[index] += (tensor[rows * CHECK_ROW_WORDS :] * tail_w).sum()
+    return totals
+
+
+def _torch_checksum(words: torch.Tensor) -> torch.Tensor:
     """`checksum_tensor` of int64 `words` with torch ops, on their device."""
     rows, row_w, col_w, tail_w = _weights(words.numel(), words.device)
     grid = words[: rows * CHECK_ROW_WORDS].view(rows, CHECK_ROW_WORDS)
@@ -667,9 +688,9 @@ def checksums(params: Mapping[str, torch.Tensor]) -> dict[str, int]:
         if param.device.type == "cpu":
             found[name] = _host_checksum(_words(param))
         else:
-            on_device.setdefault(param.device, []).append((name, checksum_tensor(param)))
+            on_device.setdefault(param.device, []).append((name, _words(param)))
     for pairs in on_device.values():
-        values = torch.stack([value for _, value in pairs]).tolist()
+        values = _device_checksums([words for _, words in pairs]).tolist()
         found.update((name, value) for (name, _), value in zip(pairs, values, strict=True))
     return {name: found[name] for name in params}
 

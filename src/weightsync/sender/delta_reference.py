@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weightsync import delta_kernels
 from weightsync.delta_codec import as_bits
 from weightsync.sender.config import ReferencePlacement
 from weightsync.torch_dtypes import torch_dtype
@@ -131,6 +132,11 @@ class DeltaReference:
                 "its last push did not record it, so no target can take a delta of it"
             )
         if ref.device.type != "cpu":
+            if delta_kernels.ready(ref.device) and delta_kernels.finds_changes(flat.dtype, dtype):
+                # One fused pass: the cast happens in the kernel, on the way from memory.
+                source = flat.to(device=ref.device).contiguous()
+                elements, new, old = delta_kernels.find_changes(source, ref, dtype)
+                return Changes(elements=elements, old=old, new=new, numel=ref.numel())
             bits = as_bits(flat.to(device=ref.device, dtype=dtype).contiguous())
             return _device_changes(bits, ref)
         if flat.device.type != "cpu":

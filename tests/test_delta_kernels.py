@@ -1,0 +1,155 @@
+"""The fused delta kernels (`weightsync.delta_kernels`) against the torch and numpy paths
+they replace, bit for bit.
+
+They run on a CUDA device where there is one, else in Triton's interpreter on the host
+(which emulates float casts its own way, so the in-kernel cast is checked on CUDA only).
+Skipped where Triton is not installed (it is not a dependency: the kernels run only where
+a GPU build of torch brings it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Read when Triton is imported: its kernels then run in its interpreter, on the host.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from weightsync import delta_kernels
+from weightsync.delta_codec import (
+    CHECK_ROW_WORDS,
+    _host_checksum,
+    _words,
+    as_bits,
+    checksums,
+)
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    """The kernels, compiled for the device or defined for the interpreter."""
+    delta_kernels._kernels.cache_clear()
+    delta_kernels._tiles.cache_clear()
+    yield
+    delta_kernels._kernels.cache_clear()
+    delta_kernels._tiles.cache_clear()
+
+
+def _torch_changes(new_bits: torch.Tensor, ref: torch.Tensor):
+    elements = torch.ne(new_bits, ref).nonzero().reshape(-1)
+    return elements, new_bits[elements], ref[elements].clone()
+
+
+def _changed(ref_bits: torch.Tensor, density: float, seed: int) -> torch.Tensor:
+    """`ref_bits` with a random `density` of its elements' lowest bit flipped."""
+    generator = torch.Generator().manual_seed(seed)
+    new = ref_bits.cpu().clone()
+    mask = torch.rand(new.numel(), generator=generator) < density
+    new[mask] ^= 1
+    return new.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "numel", "density"),
+    [
+        (torch.bfloat16, 10_000, 0.02),
+        (torch.bfloat16, 4096 * 3, 0.0),
+        (torch.bfloat16, 4097, 1.0),
+        (torch.float32, 9_999, 0.1),
+        (torch.float8_e4m3fn, 12_345, 0.05),
+        (torch.bfloat16, 1, 1.0),
+    ],
+)
+def test_find_changes_equals_torch(dtype, numel, density) -> None:
+    generator = torch.Generator().manual_seed(numel)
+    ref = as_bits(torch.randn(numel, generator=generator).to(dtype)).to(DEVICE)
+    new_bits = _changed(ref, density, seed=1)
+    expected = _torch_changes(new_bits, ref)
+    work = ref.clone()
+    elements, new, old = delta_kernels.find_changes(new_bits.view(dtype), work, dtype)
+    assert torch.equal(elements, expected[0])
+    assert torch.equal(new, expected[1]) and torch.equal(old, expected[2])
+    assert torch.equal(work, new_bits)  # the reference now holds the new bits
+    again = delta_kernels.find_changes(new_bits.view(dtype), work, dtype)
+    assert all(t.numel() == 0 for t in again)
+
+
+def test_find_changes_across_chunks(monkeypatch) -> None:
+    monkeypatch.setattr(delta_kernels, "CHANGE_CHUNK", 3 * delta_kernels.CHANGE_BLOCK)
+    ref = as_bits(torch.randn(40_000).to(torch.bfloat16)).to(DEVICE)
+    new_bits = _changed(ref, 0.03, seed=2)
+    expected = _torch_changes(new_bits, ref)
+    work = ref.clone()
+    elements, new, old = delta_kernels.find_changes(
+        new_bits.view(torch.bfloat16), work, torch.bfloat16
+    )
+    assert torch.equal(elements, expected[0]) and torch.equal(new, expected[1])
+    assert torch.equal(old, expected[2]) and torch.equal(work, new_bits)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter emulates float casts its own way")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_find_changes_casts_as_torch_does(dtype) -> None:
+    """fp32 weights cast in the kernel give torch's bits, specials and rounding ties too."""
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.randn(50_000, generator=generator) * 3
+    specials = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3.4e38, 1 + 2**-8]
+    )
+    weights[: specials.numel()] = specials
+    weights = weights.to(DEVICE)
+    ref = as_bits(torch.zeros(weights.numel(), dtype=dtype, device=DEVICE))
+    elements, new, _ = delta_kernels.find_changes(weights, ref, dtype)
+    cast = as_bits(weights.to(dtype))
+    assert torch.equal(ref, cast)
+    assert torch.equal(new, cast[elements])
+
+
+def test_find_changes_refuses_a_cast_it_does_not_make() -> None:
+    ref = torch.zeros(8, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="float dtypes only"):
+        delta_kernels.find_changes(torch.zeros(8, device=DEVICE), ref, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(
+    "num_words",
+    [
+        CHECK_ROW_WORDS * 3,
+        CHECK_ROW_WORDS * delta_kernels.TILE_ROWS + CHECK_ROW_WORDS,
+        CHECK_ROW_WORDS * (2 * delta_kernels.TILE_ROWS + 7),
+    ],
+)
+def test_checksum_words_equals_the_host_checksum(num_words) -> None:
+    """Several tensors at once, one launch; each one's rows give the host's checksum."""
+    generator = torch.Generator().manual_seed(num_words)
+    tensors = [
+        torch.randint(-(2**62), 2**62, (n,), generator=generator, dtype=torch.int64)
+        for n in (num_words, CHECK_ROW_WORDS, num_words + 2 * CHECK_ROW_WORDS)
+    ]
+    got = delta_kernels.checksum_words([t.to(DEVICE) for t in tensors]).tolist()
+    assert got == [_host_checksum(t) for t in tensors]
+
+
+def test_a_tensor_shorter_than_a_row_adds_nothing() -> None:
+    words = torch.arange(CHECK_ROW_WORDS - 1, dtype=torch.int64, device=DEVICE)
+    assert delta_kernels.checksum_words([words]).tolist() == [0]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the kernels serve CUDA tensors")
+def test_checksums_on_the_device_equal_the_host() -> None:
+    """`checksums` of CUDA parameters (the kernels, tails included) equals the host's."""
+    assert delta_kernels.ready(DEVICE) or os.environ.get("WEIGHTSYNC_DELTA_KERNELS") == "0"
+    generator = torch.Generator().manual_seed(5)
+    params = {
+        f"p{i}": torch.randn(n, generator=generator).to(torch.bfloat16)
+        for i, n in enumerate((7, 4096, 4096 * 70 + 3, 123_457, 1 << 20))
+    }
+    on_device = {name: p.to(DEVICE) for name, p in params.items()}
+    assert checksums(on_device) == {name: _host_checksum(_words(p)) for name, p in params.items()}
