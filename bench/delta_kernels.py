@@ -99,22 +99,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     numel = args.tensor_mb * (1 << 20) // 2
     count = max(1, round(args.gb * 1e9 / (numel * 2)))
     generator = torch.Generator(device=device).manual_seed(0)
+    trainer_dtype = getattr(torch, args.trainer_dtype)
+    # The trainer's tensors (bf16, or fp32 cast to bf16 on the way, as an fp32 export is).
     weights = [
-        torch.randn(numel, generator=generator, device=device).to(torch.bfloat16)
+        torch.randn(numel, generator=generator, device=device).to(trainer_dtype)
         for _ in range(count)
     ]
-    params = [w.clone() for w in weights]  # the rollout rank's parameters
+    params = [w.to(torch.bfloat16) for w in weights]  # the rollout rank's parameters
     # A second rank holding the same bytes, checked by the derived check.
-    derived = {name: w.clone() for name, w in zip(_names(count), weights, strict=True)}
-    copies = [torch.empty_like(w) for w in weights]
+    derived = {name: p.clone() for name, p in zip(_names(count), params, strict=True)}
+    copies = [torch.empty_like(p) for p in params]
     reference = DeltaReference("device")
     # The same reference for torch's ops, where the fused kernels run: both in one run.
     kernels = delta_kernels.ready(device)
     plain = DeltaReference("device") if kernels else None
-    for index, weight in enumerate(weights):
-        reference.record("bfloat16", str(index), weight)
+    for index, param in enumerate(params):
+        reference.record("bfloat16", str(index), param)
         if plain is not None:
-            plain.record("bfloat16", str(index), weight)
+            plain.record("bfloat16", str(index), param)
     times: dict[str, list[float]] = {
         k: []
         for k in (
@@ -135,9 +137,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for weight in weights:
             mask = torch.rand(numel, generator=generator, device=device) < args.density
             bits = as_bits(weight)
-            bits[mask] = bits[mask] ^ 1  # the last mantissa bit: a bf16 rounding step
+            # The last mantissa bit of the bf16 value: a bf16 rounding step.
+            bits[mask] = bits[mask] ^ (1 if weight.element_size() == 2 else 1 << 16)
         times["copy"].append(
-            _timed(device, lambda: [c.copy_(w) for c, w in zip(copies, weights, strict=True)])
+            _timed(device, lambda: [c.copy_(p) for c, p in zip(copies, params, strict=True)])
         )
         found: list = []
         times["encode"].append(
@@ -187,13 +190,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         changed = sum(c.elements.numel() for c in found)
         for param, other, weight in zip(params, derived.values(), weights, strict=True):
             if not (
-                torch.equal(as_bits(param), as_bits(weight))
+                torch.equal(as_bits(param), as_bits(weight.to(torch.bfloat16)))
                 and torch.equal(as_bits(other), as_bits(param))
             ):
                 raise RuntimeError("an applied delta differs from the new weights")
     medians = {k: median(v) for k, v in times.items() if v}
     return {
         "bench": "delta_kernels",
+        "trainer_dtype": args.trainer_dtype,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "bytes": num_bytes,
         "density": changed / (count * numel),
@@ -230,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-mb", type=int, default=128)
     p.add_argument("--density", type=float, default=0.02)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--trainer-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the trainer's tensors (float32: cast to the bf16 rollout while encoding)",
+    )
     args = p.parse_args(argv)
     result = run(args)
     seconds = result["seconds"]
@@ -285,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         ],
     ]
     print_table(
-        f"{result['device']}: {result['bytes'] / 1e9:.2f} GB bf16, "
+        f"{result['device']}: {result['bytes'] / 1e9:.2f} GB bf16 "
+        f"(from {result['trainer_dtype']}), "
         f"density {result['density']:.2%}, payload {result['payload_bytes'] / 1e6:.1f} MB",
         ["step", "ms", "rate"],
         rows,

@@ -36,10 +36,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 def kernels():
     """The kernels, compiled for the device or defined for the interpreter."""
     delta_kernels._kernels.cache_clear()
-    delta_kernels._tiles.cache_clear()
     yield
     delta_kernels._kernels.cache_clear()
-    delta_kernels._tiles.cache_clear()
 
 
 def _torch_changes(new_bits: torch.Tensor, ref: torch.Tensor):

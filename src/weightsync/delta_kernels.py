@@ -9,7 +9,8 @@
   read of the tensor and of the reference, and writes proportional to the changes, where
   torch's cast, ``!=``, ``nonzero`` and gathers read and write the whole tensor several times.
 - `checksum_words`: `weightsync.delta_codec`'s checksum of many parameters at once. The
-  parameters' full rows of words are cut into tiles of rows; one program reads a tile once
+  parameters' full rows of words are cut into tiles of rows (the tables built on the device,
+  with one host sync for their count); one program reads a tile once
   and adds up its rows' sums and its column sums, each times its position's weight
   (computed in the kernel), into one number; the tiles' numbers add up per parameter. The
   last, partial row of a parameter is left to the caller.
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-CHANGE_BLOCK = 4096
+CHANGE_BLOCK = 1024
 """Elements per block of `find_changes` (a block's positions fit int16)."""
 CHANGE_CHUNK = 1 << 26
 """Elements per launch of `find_changes` (its scratch: 2 bytes plus twice the element size
@@ -160,7 +161,7 @@ def checksum_words(words: Sequence[torch.Tensor]) -> torch.Tensor:
     checksum_kernel = kernels[2]
     device = words[0].device
     out = torch.zeros(len(words), dtype=torch.int64, device=device)
-    table = _tiles(tuple((w.data_ptr(), w.numel() // CHECK_COLUMNS) for w in words), device)
+    table = _tiles(words, device)
     if table is None:
         return out
     addrs, row0, rows, owner = table
@@ -171,29 +172,23 @@ def checksum_words(words: Sequence[torch.Tensor]) -> torch.Tensor:
     return out.index_add_(0, owner, partial)
 
 
-@functools.lru_cache(maxsize=64)
 def _tiles(
-    shapes: tuple[tuple[int, int], ...], device: torch.device
+    words: Sequence[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The tiles of `shapes` (``(address, full rows)`` per tensor) as device tables:
-    address, first row, rows, owning tensor. Kept per set of tensors (a model's parameters
-    stay where they are), so a sync uploads its table once."""
-    addrs, row0, rows, owner = [], [], [], []
-    for index, (addr, num_rows) in enumerate(shapes):
-        for first in range(0, num_rows, TILE_ROWS):
-            addrs.append(addr + first * CHECK_COLUMNS * 8)
-            row0.append(first)
-            rows.append(min(TILE_ROWS, num_rows - first))
-            owner.append(index)
-    if not addrs:
+    """The tiles of `words` as device tables (address, first row, rows, owning tensor),
+    built with a few device ops from one small upload of each tensor's address and rows."""
+    shapes = torch.tensor(
+        [(w.data_ptr(), w.numel() // CHECK_COLUMNS) for w in words], dtype=torch.int64
+    ).to(device)
+    addrs, num_rows = shapes[:, 0], shapes[:, 1]
+    counts = (num_rows + TILE_ROWS - 1) // TILE_ROWS
+    total = int(counts.sum())
+    if not total:
         return None
-
-    def table(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    return (
-        table(addrs, torch.int64),
-        table(row0, torch.int64),
-        table(rows, torch.int32),
-        table(owner, torch.int64),
+    owner = torch.repeat_interleave(
+        torch.arange(len(words), device=device), counts, output_size=total
     )
+    first_tile = torch.cumsum(counts, 0) - counts
+    row0 = (torch.arange(total, device=device) - first_tile[owner]) * TILE_ROWS
+    rows = torch.clamp(num_rows[owner] - row0, max=TILE_ROWS).to(torch.int32)
+    return addrs[owner] + row0 * (CHECK_COLUMNS * 8), row0, rows, owner
