@@ -367,7 +367,7 @@ def test_configs_that_do_not_lay_out(overrides: dict, parallelism: dict, message
         rank_layout(config, {"tp_size": 1, "tp_rank": 0, **parallelism})
 
 
-def test_fused_shared_experts_are_refused_with_the_option_that_stops_them() -> None:
+def test_when_sglang_fuses_shared_experts() -> None:
     # DeepSeek-V3/R1's shapes (256 routed experts, 1 shared) at pure TP on CUDA: SGLang 0.5.23
     # fuses the shared expert into the routed experts unless told not to.
     v3 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
@@ -383,9 +383,11 @@ def test_fused_shared_experts_are_refused_with_the_option_that_stops_them() -> N
     tiny = preset_config("tiny-deepseek")
     assert not sglang_fuses_shared_experts(tiny, ep_size=1)
     assert not sglang_fuses_shared_experts(preset_config("tiny-moe"), ep_size=1)
-    with pytest.raises(ValueError, match="--disable-shared-experts-fusion"):
-        rank_layout(tiny, {"tp_size": 1, "tp_rank": 0}, shared_experts_fused=True)
+    # Fused, the shared expert is the last expert slot (test_layout_deepseek_parallel.py).
+    fused = rank_layout(tiny, {"tp_size": 1, "tp_rank": 0, "num_fused_shared_experts": 1})
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight" not in fused
+    assert fused["model.layers.1.mlp.experts.w13_weight"].shape[0] == 8 + 1
     # Families without shared experts have nothing to fuse.
     assert rank_layout(
-        preset_config("tiny"), {"tp_size": 1, "tp_rank": 0}, shared_experts_fused=True
+        preset_config("tiny"), {"tp_size": 1, "tp_rank": 0, "num_fused_shared_experts": 1}
     )

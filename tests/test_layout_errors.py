@@ -85,7 +85,19 @@ def test_unsupported_parallel_modes() -> None:
     with pytest.raises(ValueError, match="pp_size=2: rollout pipeline parallelism"):
         rank_layout(LLAMA, _rank(2, pp_size=2))
     with pytest.raises(ValueError, match="attention data parallelism"):
-        rank_layout(LLAMA, _rank(2, attn_tp_size=1, attn_tp_rank=0))
+        rank_layout(LLAMA, _rank(2, attn_dp_size=2))
+    with pytest.raises(ValueError, match=re.escape("moe_dense_tp_size=1 (--moe-dense-tp-size)")):
+        rank_layout(preset_config("tiny-moe"), _rank(2, moe_dense_tp_size=1))
+    # SGLang fuses all of DeepSeek's shared experts or none (DeepseekV2MoE asserts it).
+    two_shared = preset_config("tiny-deepseek", n_shared_experts=2)
+    with pytest.raises(ValueError, match="--disable-shared-experts-fusion"):
+        rank_layout(two_shared, _rank(1, num_fused_shared_experts=1))
+    # Under DP attention the heads split over attention TP, and must divide by it.
+    six_heads = preset_config("tiny-deepseek", num_attention_heads=6)
+    with pytest.raises(
+        ValueError, match="num_attention_heads=6 must be divisible by attn_tp_size=4"
+    ):
+        rank_layout(six_heads, _rank(8, attn_dp_size=2))
     with pytest.raises(ValueError, match="bad parallelism config"):
         rank_layout(LLAMA, {"tp_size": 2})
     with pytest.raises(ValueError, match="must be a ParallelismConfig or a dict"):

@@ -22,6 +22,7 @@ _FIELDS = (
     "attn_dp_rank",
     "num_fused_shared_experts",
     "moe_dense_tp_size",
+    "enable_dp_lm_head",
     "world_size",
     "global_rank",
     "local_rank",
@@ -32,20 +33,32 @@ _FIELDS = (
 class ParallelismConfig:
     """Where one rollout rank sits in its replica's parallel layout.
 
-    Only ``tp_size`` and ``tp_rank`` are required. The others default the way SGLang derives
-    them: no pipeline or expert parallelism, MoE tensor parallelism ``tp_size // ep_size`` with
-    ``moe_tp_rank = tp_rank % moe_tp_size`` and ``ep_rank = tp_rank // moe_tp_size``, attention
-    tensor parallelism equal to ``tp_size``, one attention data-parallel group, no shared
-    experts fused into the routed experts, dense MLPs split like the attention, and
-    ``world_size = tp_size * pp_size``.
+    Only ``tp_size`` and ``tp_rank`` are required. The others default the way SGLang 0.5.23
+    derives them: no pipeline or expert parallelism; MoE tensor parallelism
+    ``moe_tp_size = tp_size // ep_size`` with ``moe_tp_rank = tp_rank % moe_tp_size`` and
+    ``ep_rank = tp_rank // moe_tp_size``; attention tensor parallelism
+    ``attn_tp_size = tp_size // attn_dp_size`` with ``attn_tp_rank = tp_rank % attn_tp_size``
+    and ``attn_dp_rank = tp_rank // attn_tp_size`` (one attention data-parallel group unless
+    ``attn_dp_size`` says otherwise); no shared experts fused into the routed experts; dense
+    MLPs split over the whole TP group; ``world_size = tp_size * pp_size``.
 
-    ``num_fused_shared_experts`` is SGLang's count of shared experts held as extra expert
-    slots of ``mlp.experts`` (0 when they stay ``mlp.shared_experts``); ``moe_dense_tp_size``
-    is SGLang's ``--moe-dense-tp-size`` (None: not set).
+    ``attn_dp_size > 1`` is SGLang's DP attention (``--attn-dp-size``, formerly
+    ``--enable-dp-attention`` with ``--dp-size``): attention weights are split over the
+    ``attn_tp_size`` ranks of one attention-DP group and replicated across the groups, while
+    the MoE stays split over EP and MoE-TP across the whole TP group. ``enable_dp_lm_head`` is
+    ``--enable-dp-lm-head``: the untied ``lm_head`` follows attention TP instead of the whole
+    TP group (without DP attention the two are the same). ``num_fused_shared_experts`` is
+    SGLang's count of shared experts held as extra expert slots of ``mlp.experts`` (0 when
+    they stay ``mlp.shared_experts``); ``moe_dense_tp_size`` is ``--moe-dense-tp-size``
+    (None: not set; SGLang accepts only None, 1 or ``tp_size``, and 1 replicates the dense
+    MLP layers).
 
     Raises:
         ValueError: a size is not positive, a rank is outside its size, or the sizes do not
-            divide (``ep_size`` must divide ``tp_size``, ``moe_tp_size * ep_size == tp_size``).
+            divide (``ep_size`` must divide ``tp_size``, ``moe_tp_size * ep_size == tp_size``,
+            ``attn_tp_size * attn_dp_size == tp_size`` and ``tp_rank`` must be
+            ``attn_dp_rank * attn_tp_size + attn_tp_rank``), or ``moe_dense_tp_size`` is a
+            value SGLang refuses.
     """
 
     tp_size: int
@@ -59,9 +72,10 @@ class ParallelismConfig:
     attn_tp_size: int | None = None
     attn_tp_rank: int | None = None
     attn_dp_size: int = 1
-    attn_dp_rank: int = 0
+    attn_dp_rank: int | None = None
     num_fused_shared_experts: int = 0
     moe_dense_tp_size: int | None = None
+    enable_dp_lm_head: bool = False
     world_size: int | None = None
     global_rank: int | None = None
     local_rank: int | None = None
@@ -77,10 +91,21 @@ class ParallelismConfig:
                 f"ParallelismConfig.num_fused_shared_experts must be an int >= 0, got {fused!r}"
             )
         dense = self.moe_dense_tp_size
-        if dense is not None and (not isinstance(dense, int) or dense < 1 or self.tp_size % dense):
+        if dense is not None and dense not in (1, self.tp_size):
+            # SGLang's server arguments assert the same ("only supports None, 1, or tp_size").
             raise ValueError(
-                f"ParallelismConfig.moe_dense_tp_size={dense!r} must be a positive int that "
-                f"divides tp_size={self.tp_size}"
+                f"ParallelismConfig.moe_dense_tp_size={dense!r}: SGLang supports only None, 1 "
+                f"or tp_size={self.tp_size} (--moe-dense-tp-size)"
+            )
+        if not isinstance(self.enable_dp_lm_head, bool):
+            raise ValueError(
+                "ParallelismConfig.enable_dp_lm_head must be a bool, got "
+                f"{self.enable_dp_lm_head!r}"
+            )
+        if self.tp_size % self.attn_dp_size:
+            raise ValueError(
+                f"ParallelismConfig: attn_dp_size={self.attn_dp_size} must divide "
+                f"tp_size={self.tp_size}"
             )
         if self.tp_size % self.ep_size:
             raise ValueError(
@@ -99,8 +124,7 @@ class ParallelismConfig:
             "moe_tp_size": moe_tp_size,
             "moe_tp_rank": self.tp_rank % moe_tp_size,
             "ep_rank": self.tp_rank // moe_tp_size,
-            "attn_tp_size": self.tp_size,
-            "attn_tp_rank": self.tp_rank,
+            "attn_tp_size": self.tp_size // self.attn_dp_size,
             "world_size": self.tp_size * self.pp_size,
             "global_rank": self.pp_rank * self.tp_size + self.tp_rank,
         }
@@ -109,6 +133,17 @@ class ParallelismConfig:
                 object.__setattr__(self, name, value)
         if self.local_rank is None:
             object.__setattr__(self, "local_rank", self.global_rank)
+        attn_tp_size = self.attn_tp_size
+        if not isinstance(attn_tp_size, int) or attn_tp_size * self.attn_dp_size != self.tp_size:
+            raise ValueError(
+                f"ParallelismConfig: attn_tp_size={attn_tp_size!r} * attn_dp_size="
+                f"{self.attn_dp_size} must equal tp_size={self.tp_size}"
+            )
+        # SGLang lays attention ranks out (dp, tp) with tp fastest inside the TP group.
+        if self.attn_tp_rank is None:
+            object.__setattr__(self, "attn_tp_rank", self.tp_rank % attn_tp_size)
+        if self.attn_dp_rank is None:
+            object.__setattr__(self, "attn_dp_rank", self.tp_rank // attn_tp_size)
         for size_name, rank_name in (
             ("tp_size", "tp_rank"),
             ("pp_size", "pp_rank"),
@@ -123,6 +158,12 @@ class ParallelismConfig:
                 raise ValueError(
                     f"ParallelismConfig.{rank_name}={rank!r} must be in [0, {size_name}={size})"
                 )
+        if self.attn_dp_rank * attn_tp_size + self.attn_tp_rank != self.tp_rank:
+            raise ValueError(
+                f"ParallelismConfig: tp_rank={self.tp_rank} must be attn_dp_rank="
+                f"{self.attn_dp_rank} * attn_tp_size={attn_tp_size} + attn_tp_rank="
+                f"{self.attn_tp_rank}, as SGLang places attention ranks"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParallelismConfig:
@@ -132,7 +173,7 @@ class ParallelismConfig:
         """
         return cls(**{k: data[k] for k in _FIELDS if k in data and data[k] is not None})
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | bool | None]:
         """All fields as a plain dict; `from_dict(to_dict())` returns an equal config."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
@@ -140,7 +181,8 @@ class ParallelismConfig:
         """The fields that decide which bytes this rank holds.
 
         Two ranks (of any replicas) with equal keys hold byte-identical weights, so the
-        trainer stages their bytes once and writes them to both.
+        trainer stages their bytes once and writes them to both. ``moe_dense_tp_size`` enters
+        as the dense MLP's effective split (None and ``tp_size`` lay out alike).
         """
         return (
             self.tp_size,
@@ -154,5 +196,6 @@ class ParallelismConfig:
             self.attn_tp_size,
             self.attn_tp_rank,
             self.num_fused_shared_experts,
-            self.moe_dense_tp_size,
+            self.moe_dense_tp_size if self.moe_dense_tp_size is not None else self.tp_size,
+            int(self.enable_dp_lm_head),
         )

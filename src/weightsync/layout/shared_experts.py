@@ -1,11 +1,12 @@
-"""Whether SGLang fuses DeepSeek's shared experts into the routed experts, which weightsync
-does not lay out yet.
+"""Whether SGLang fuses DeepSeek's shared experts into the routed experts.
 
 With fusion, SGLang has no ``mlp.shared_experts.*`` parameters: the shared expert is local
 expert slot ``E_local`` of ``mlp.experts.w13_weight`` / ``w2_weight`` on every rank (SGLang
 0.5.23, ``resolve_shared_experts_config`` and
-``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason``). `RankParallelismConfig` does not
-say so; the server arguments and the checkpoint's config do.
+``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason``); a rank's
+`ParallelismConfig.num_fused_shared_experts` carries the count (``n_shared_experts`` when
+fused, 0 when not). `RankParallelismConfig` does not say so; the server arguments, the
+checkpoint's config and the GPU do, and so does the size of a published ``w13_weight``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from typing import Any
 
 from weightsync.layout.config import config_data, model_dims
 from weightsync.layout.families import family_for
-
-# The SGLang server argument that keeps the shared experts apart.
-DISABLE_FUSION_OPTION = "--disable-shared-experts-fusion"
 
 
 def sglang_fuses_shared_experts(
@@ -34,7 +32,8 @@ def sglang_fuses_shared_experts(
     backend): fusion is on by default only for ``DeepseekV3ForCausalLM`` checkpoints with 256
     routed experts and one shared expert at ``ep_size == 1`` on CUDA (DeepSeek-V3/R1 at pure
     TP); Kimi-K2 (384 experts), expert parallelism, small test models and the CPU keep them
-    apart.
+    apart unless ``--enforce-shared-experts-fusion``. When fused, the rank's
+    ``num_fused_shared_experts`` is the config's ``n_shared_experts``.
 
     Args:
         hf_config: a transformers config object or a config.json dict.
@@ -58,13 +57,4 @@ def sglang_fuses_shared_experts(
         and dims.n_shared_experts == 1
         and device == "cuda"
         and ep_size == 1
-    )
-
-
-def fused_shared_experts_error(model_type: str) -> ValueError:
-    """The error for a rollout that fuses the shared experts, naming the option that stops it."""
-    return ValueError(
-        f"{model_type}: the rollout fuses the shared experts into the routed experts "
-        "(mlp.experts.w13_weight / w2_weight hold them as extra expert slots), which "
-        f"weightsync does not lay out yet; start SGLang with {DISABLE_FUSION_OPTION}"
     )

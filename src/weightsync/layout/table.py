@@ -24,7 +24,6 @@ from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.partition import partition_rank
 from weightsync.layout.quant import quantize_params, quantized_hf_shapes
 from weightsync.layout.segments import replicated_param
-from weightsync.layout.shared_experts import fused_shared_experts_error
 from weightsync.layout.types import ParamLayout
 
 _LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -109,7 +108,7 @@ def _rank_layout(
     family = family_for(dims.model_type)
     part = partition_rank(dims, parallelism)
     hidden = dims.hidden_size
-    params = [vocab_param(EMBED_TOKENS, EMBED_TOKENS, dims, part, dtype)]
+    params = [vocab_param(EMBED_TOKENS, EMBED_TOKENS, dims, part.vocab_rows, dtype)]
     for layer in range(dims.num_hidden_layers):
         if family.mla:
             params += mla_params(dims, part, layer, dtype)
@@ -127,11 +126,13 @@ def _rank_layout(
             params.append(replicated_param(name, name, (hidden,), dtype))
     params.append(replicated_param(FINAL_NORM, FINAL_NORM, (hidden,), dtype))
     if not dims.tie_word_embeddings:
-        params.append(vocab_param(LM_HEAD, LM_HEAD, dims, part, dtype))
+        params.append(vocab_param(LM_HEAD, LM_HEAD, dims, part.lm_head_rows, dtype))
     elif family.lm_head_when_tied:
-        params.append(vocab_param(LM_HEAD, EMBED_TOKENS, dims, part, dtype))
+        params.append(vocab_param(LM_HEAD, EMBED_TOKENS, dims, part.lm_head_rows, dtype))
     if dims.fp8_block_size:
         where = f"tp_size={parallelism.tp_size}, ep_size={parallelism.ep_size}"
+        if parallelism.attn_dp_size > 1:
+            where += f", attn_tp_size={parallelism.attn_tp_size}"
         params = quantize_params(
             params, dict(_hf_shapes(dims)), block=dims.fp8_block_size, where=where
         )
@@ -142,8 +143,6 @@ def rank_layout(
     hf_config: Any,
     parallelism: ParallelismConfig | Mapping[str, Any],
     dtype: Any = None,
-    *,
-    shared_experts_fused: bool = False,
 ) -> dict[str, ParamLayout]:
     """Every parameter of one rollout rank, in the engine's parameter order, with sources.
 
@@ -153,8 +152,12 @@ def rank_layout(
     / ``lm_head`` padded (see `padded_vocab_size`) and split over TP with zero padding rows,
     experts split by EP then MoE-TP, norms and the router replicated. DeepSeek-V3 / Kimi-K2:
     MLA (`weightsync.layout.mla`: replicated down-projections, per-head up-projections),
-    the router with its float32 ``e_score_correction_bias``, shared experts split over TP.
-    Results are cached, so calling it once per rank of many replicas is cheap.
+    the router with its float32 ``e_score_correction_bias``, shared experts split over TP
+    or, with ``parallelism.num_fused_shared_experts``, held as the last expert slot(s) of
+    ``mlp.experts`` on every EP rank; under DP attention (``attn_dp_size > 1``) attention and
+    ``embed_tokens`` split over attention TP (``lm_head`` too with ``enable_dp_lm_head``);
+    ``moe_dense_tp_size`` 1 keeps the dense MLP layers whole. Results are cached, so calling
+    it once per rank of many replicas is cheap.
 
     Every parameter has the rollout dtype except DeepSeek's ``e_score_correction_bias``, which
     is float32 in any rollout (``ParamLayout.dtype`` says so per parameter). A block-FP8
@@ -167,19 +170,15 @@ def rank_layout(
         parallelism: the rank's `ParallelismConfig`, or a dict of its fields.
         dtype: the rollout dtype (torch dtype or name); None or ``"auto"`` for the config's
             dtype (float32 if it names none).
-        shared_experts_fused: the rollout fuses DeepSeek's shared experts into the routed
-            experts (see `sglang_fuses_shared_experts`); weightsync does not lay that out yet.
 
     Returns:
         ``{param_name: ParamLayout}``; each layout's segments tile the parameter exactly once.
 
     Raises:
         ValueError: unsupported ``model_type``, a bad config or dtype, a size that does not
-            split over the ranks (the message names the config field), or fused shared
-            experts (the message names the SGLang option that turns fusion off).
+            split over the ranks (the message names the config field), or a parallel mode
+            SGLang does not run for this model (the message names the option).
     """
     dims = model_dims(hf_config)
-    if shared_experts_fused and family_for(dims.model_type).deepseek_moe:
-        raise fused_shared_experts_error(dims.model_type)
     layouts = _rank_layout(dims, as_parallelism(parallelism), rollout_dtype_name(dims, dtype))
     return {layout.name: layout for layout in layouts}
