@@ -191,7 +191,16 @@ def test_simulate_json_predicts_the_data_phase() -> None:
     assert len(lines) == 1
     summary = json.loads(lines[0])
     assert summary["trainer"] == {"gpus": 32, "tp": 4, "ep": 1, "pp": 4, "dp": 2}
-    assert summary["rollout"] == {"gpus": 16, "replicas": 4, "tp": 4, "ep": 4}
+    assert summary["rollout"] == {
+        "gpus": 16,
+        "replicas": 4,
+        "tp": 4,
+        "ep": 4,
+        "dp_attention": 1,
+        "fused_shared_experts": False,
+        "moe_dense_tp_size": None,
+        "dp_lm_head": False,
+    }
     assert summary["network"]["nic_gbps"] == 200.0
     assert summary["fp8"] is False
     # Each rollout GPU receives a quarter of the bf16 model through one 25 GB/s NIC.
@@ -269,3 +278,133 @@ def test_simulate_plot_writes_a_png(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"timeline written to {path}" in result.output.replace("\n", "")
+
+
+# --- SGLang's DeepSeek layouts: attention DP, fused shared experts, dense TP -----------------
+
+
+@pytest.fixture
+def tiny_deepseek(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny-deepseek.json"
+    path.write_text(json.dumps(preset_config("tiny-deepseek")))
+    return path
+
+
+_LAYOUT_FLAGS = [
+    "--rollout-tp",
+    "4",
+    "--rollout-ep",
+    "2",
+    "--rollout-dp-attention",
+    "2",
+    "--rollout-dp-lm-head",
+    "--rollout-fused-shared-experts",
+    "--rollout-moe-dense-tp-size",
+    "1",
+]
+
+
+def test_plan_prints_attention_dp_fused_shared_experts_and_dense_tp(tiny_deepseek: Path) -> None:
+    config = preset_config("tiny-deepseek")
+    result = _run("--model-config", str(tiny_deepseek), *_LAYOUT_FLAGS, "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["rollout"] == {
+        "tp": 4,
+        "ep": 2,
+        "replicas": 1,
+        "dp_attention": 2,
+        "fused_shared_experts": True,
+        "moe_dense_tp_size": 1,
+        "dp_lm_head": True,
+    }
+    for target in summary["targets"]:
+        rank = target["rank"]
+        parallelism = target["parallelism"]
+        assert (parallelism["attn_tp_size"], parallelism["attn_dp_size"]) == (2, 2)
+        assert (parallelism["attn_tp_rank"], parallelism["attn_dp_rank"]) == (rank % 2, rank // 2)
+        assert parallelism["num_fused_shared_experts"] == 1
+        assert parallelism["moe_dense_tp_size"] == 1 and parallelism["enable_dp_lm_head"]
+        layout = rank_layout(config, ParallelismConfig.from_dict(parallelism))
+        assert [p["name"] for p in target["params"]] == list(layout)
+        assert layout["model.layers.1.mlp.experts.w13_weight"].shape[0] == 8 // 2 + 1
+
+    table = _run("--model-config", str(tiny_deepseek), *_LAYOUT_FLAGS)
+    assert table.returncode == 0, table.stderr
+    for text in ("Rollout layouts", "tp 2 x dp 2", "ep 2 x tp 2", "fused (1 slot)", "replicated"):
+        assert text in table.stdout, table.stdout
+    assert "attn tp 2" in table.stdout
+
+
+def test_plan_reports_the_engine_owned_fp8_kv_scales(tmp_path: Path) -> None:
+    from weightsync.layout.quant import fp8_quantization_config
+
+    path = tmp_path / "tiny-deepseek-fp8.json"
+    config = {**preset_config("tiny-deepseek"), "quantization_config": fp8_quantization_config(128)}
+    path.write_text(json.dumps(config))
+    result = _run("--model-config", str(path), "--rollout-tp", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    # Three layers, attn_mqa and attn_mha, k_scale and v_scale: on each of two ranks.
+    assert summary["num_engine_owned"] == 2 * 3 * 2 * 2
+    owned = summary["targets"][0]["engine_owned"]
+    assert owned["model.layers.2.self_attn.attn_mha.v_scale"] == "fp8_kv_scale"
+    table = _run("--model-config", str(path), "--rollout-tp", "2")
+    assert "engine-owned, left alone: 24 parameters (fp8_kv_scale) on 2 rank(s)" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--rollout-tp", "4", "--rollout-dp-attention", "3"],
+            "error: --rollout-dp-attention: 3 must be at least 1 and divide --rollout-tp 4",
+        ),
+        (
+            ["--rollout-tp", "4", "--rollout-moe-dense-tp-size", "2"],
+            "error: --rollout-moe-dense-tp-size: 2: SGLang accepts only 1 or the TP size (4)",
+        ),
+        (
+            ["--rollout-tp", "4", "--rollout-dp-lm-head"],
+            "error: --rollout-dp-lm-head: needs attention DP",
+        ),
+        (
+            ["--rollout-tp", "4", "--rollout-dp-attention", "0"],
+            "error: --rollout-dp-attention: 0 must be at least 1",
+        ),
+    ],
+)
+def test_layouts_sglang_would_not_run_are_bad_input(tiny_deepseek: Path, args, expected) -> None:
+    for simulate in ([], ["--simulate", "--rollout-gpus", "4", "--trainer-gpus", "8"]):
+        result = CliRunner().invoke(
+            app, ["plan", "--model-config", str(tiny_deepseek), *args, *simulate]
+        )
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().startswith(expected), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_fused_shared_experts_need_shared_experts() -> None:
+    result = CliRunner().invoke(
+        app, ["plan", "--model-config", "tiny-qwen3", "--rollout-fused-shared-experts"]
+    )
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: --rollout-fused-shared-experts: qwen3 has no")
+
+
+def test_simulate_accepts_the_deepseek_layouts(tiny_deepseek: Path) -> None:
+    base = ["--simulate", "--model-config", str(tiny_deepseek), "--rollout-gpus", "8"]
+    cluster = [*base, "--trainer-gpus", "8", "--trainer-tp", "2", "--rollout-tp", "4", "--json"]
+    plain = json.loads(_run(*cluster).stdout)
+    result = _run(*cluster, *_LAYOUT_FLAGS[4:])
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["rollout"]["dp_attention"] == 2 and summary["rollout"]["fused_shared_experts"]
+    # Attention and the dense layers replicated over more ranks: more bytes to move.
+    assert summary["bytes"] > plain["bytes"]
+    assert summary["makespan_s"] >= summary["lower_bound_s"] > 0
+    table = _run(*cluster[:-1], *_LAYOUT_FLAGS[4:])
+    assert table.returncode == 0, table.stderr
+    # The title names the layout (rich may wrap it at the terminal's width).
+    title = " ".join(table.stdout.split())
+    assert "dp-attention 2 dp-lm-head fused-shared-experts moe-dense-tp 1" in title

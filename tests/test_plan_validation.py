@@ -402,3 +402,24 @@ def test_parameters_outside_the_registered_regions_are_refused_before_any_write(
     # A rank that publishes no regions is not checked.
     targets[3] = dataclasses.replace(targets[3], regions=None)
     build_plan(hf_config=CONFIG, targets=targets, sources=sources)
+
+
+def test_a_mismatch_under_dp_attention_names_the_ranks_attention_place() -> None:
+    config = preset_config("tiny-deepseek")
+    targets = simulate_targets(config, tp=4, ep=4, attn_dp=2, moe_dense_tp_size=1)
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    addr, numel, size = targets[3].weights_info[name]
+    targets[3] = _with_info(targets[3], {**targets[3].weights_info, name: (addr, numel * 2, size)})
+    with pytest.raises(LayoutMismatchError) as caught:
+        build_plan(
+            hf_config=config, targets=targets, sources=simulate_sources(config, num_sources=1)
+        )
+    # Attention splits over the 2 ranks of its attention-DP group: the message says where.
+    _assert_names(
+        str(caught.value),
+        name,
+        "replica replica0 rank 3",
+        "tp 3/4, ep 3/4, attn tp 1/2 dp 1/2, dense tp 1",
+        f"expected {numel}",
+        f"actual {numel * 2}",
+    )

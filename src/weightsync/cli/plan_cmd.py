@@ -17,8 +17,14 @@ from weightsync.cli.simulate_cmd import (
     DeltaDensityOption,
     DeltaFp8CodeDensityOption,
     DeltaFp8ScaleDensityOption,
+    RolloutDpAttentionOption,
+    RolloutDpLmHeadOption,
+    RolloutFusedSharedExpertsOption,
+    RolloutLayout,
+    RolloutMoeDenseTpSizeOption,
     SimulateOptionError,
     SimulateOptions,
+    check_rollout_layout,
     run_simulation,
 )
 from weightsync.cli.timeline import PlotUnavailableError
@@ -66,6 +72,10 @@ def plan(
         int | None,
         typer.Option(help="Rollout replicas [default: 1; --simulate: --rollout-gpus / TP]."),
     ] = None,
+    rollout_dp_attention: RolloutDpAttentionOption = 1,
+    rollout_fused_shared_experts: RolloutFusedSharedExpertsOption = False,
+    rollout_moe_dense_tp_size: RolloutMoeDenseTpSizeOption = None,
+    rollout_dp_lm_head: RolloutDpLmHeadOption = False,
     trainer_sources: Annotated[
         int, typer.Option(help="Trainer source ranks (pipeline stages x data-parallel copies).")
     ] = 1,
@@ -121,8 +131,12 @@ def plan(
 
     Simulates the cluster: `--replicas` replicas of `--rollout-tp` ranks, and
     `--trainer-sources` trainer ranks split into `--trainer-pp` pipeline stages (source rank =
-    data-parallel index * pp + stage). Prints each target rank's parameters and bytes, each
-    source's share and the imbalance (max / mean bytes written per source).
+    data-parallel index * pp + stage). The replicas may run SGLang's DeepSeek layouts:
+    attention DP (`--rollout-dp-attention`, with `--rollout-dp-lm-head`), fused shared
+    experts and `--rollout-moe-dense-tp-size`. Prints each distinct rollout layout, each
+    target rank's parameters and bytes, the parameters the engine owns (left alone: FP8
+    KV-cache scales), each source's share and the imbalance (max / mean bytes written per
+    source).
 
     With `--simulate`, predicts instead the data phase of the sync on a modelled cluster of
     `--trainer-gpus` and `--rollout-gpus` GPUs at `--nic-gbps`: the network schedule's time,
@@ -143,6 +157,12 @@ def plan(
                 rollout_tp=rollout_tp,
                 rollout_ep=rollout_ep,
                 replicas=replicas,
+                rollout_layout=RolloutLayout(
+                    dp_attention=rollout_dp_attention,
+                    fused_shared_experts=rollout_fused_shared_experts,
+                    moe_dense_tp_size=rollout_moe_dense_tp_size,
+                    dp_lm_head=rollout_dp_lm_head,
+                ),
                 nic_gbps=nic_gbps,
                 gpus_per_node=gpus_per_node,
                 nics_per_node=nics_per_node,
@@ -167,12 +187,34 @@ def plan(
             raise _BadOption("--delta-density", "prices a --simulate run; add --simulate")
         model_config = _config_name(model_config, preset)
         config = _read_config(model_config)
+        layout = RolloutLayout(
+            dp_attention=rollout_dp_attention,
+            fused_shared_experts=rollout_fused_shared_experts,
+            moe_dense_tp_size=rollout_moe_dense_tp_size,
+            dp_lm_head=rollout_dp_lm_head,
+        )
+        try:
+            check_rollout_layout(config, rollout_tp, layout)
+        except SimulateOptionError as exc:
+            raise _BadOption(exc.option, f"{exc}") from exc
         rollout_dtype = _check_options(
-            config, rollout_tp, rollout_ep, replicas, trainer_sources, trainer_pp, dtype
+            config,
+            rollout_tp,
+            rollout_ep,
+            replicas,
+            trainer_sources,
+            trainer_pp,
+            dtype,
+            attn_tp=rollout_tp // layout.dp_attention,
         )
         try:
             targets = simulate_targets(
-                config, tp=rollout_tp, ep=rollout_ep, replicas=replicas, dtype=rollout_dtype
+                config,
+                tp=rollout_tp,
+                ep=rollout_ep,
+                replicas=replicas,
+                dtype=rollout_dtype,
+                **layout.simulate_kwargs(),
             )
         except ValueError as exc:
             raise _BadOption("--rollout-tp/--rollout-ep", f"{exc}") from exc
@@ -194,7 +236,12 @@ def plan(
     summary = {
         "model_config": model_config,
         "model_type": config["model_type"],
-        "rollout": {"tp": rollout_tp, "ep": rollout_ep, "replicas": replicas},
+        "rollout": {
+            "tp": rollout_tp,
+            "ep": rollout_ep,
+            "replicas": replicas,
+            **layout.summary(),
+        },
         "trainer": {"sources": trainer_sources, "pp": trainer_pp},
         **sync_plan.summary(),
     }
@@ -277,8 +324,11 @@ def _check_options(
     sources: int,
     pp: int,
     dtype: str | None,
+    *,
+    attn_tp: int,
 ) -> str | None:
-    """Reject values that cannot work, naming the option; returns the canonical dtype name."""
+    """Reject values that cannot work, naming the option; returns the canonical dtype name.
+    `attn_tp` is the attention-TP size (`tp` without attention DP), which splits the heads."""
     for option, value in (
         ("--rollout-tp", tp),
         ("--rollout-ep", ep),
@@ -301,11 +351,16 @@ def _check_options(
     except ValueError as exc:
         raise _BadOption("--model-config", f"{exc}") from exc
     heads = dims["num_attention_heads"]
-    if heads % tp:
+    if heads % attn_tp:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        what = (
+            f"{tp}"
+            if attn_tp == tp
+            else f"{attn_tp} attention-TP ranks (--rollout-tp / --rollout-dp-attention)"
+        )
         raise _BadOption(
             "--rollout-tp",
-            f"{tp} does not divide the model's num_attention_heads={heads}; use one of "
+            f"{what} does not divide the model's num_attention_heads={heads}; use one of "
             f"{', '.join(map(str, divisors))}",
         )
     layers = dims["num_hidden_layers"]
@@ -342,8 +397,47 @@ def _human_bytes(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
+def _layout_cells(parallelism: dict[str, Any]) -> tuple[str, ...]:
+    """How one rank's layout reads in the layouts table: attention, MoE, dense MLP, lm_head."""
+    tp, attn_tp, attn_dp = (
+        parallelism["tp_size"],
+        parallelism["attn_tp_size"],
+        parallelism["attn_dp_size"],
+    )
+    attention = f"tp {attn_tp}" + (f" x dp {attn_dp}" if attn_dp > 1 else "")
+    moe = f"ep {parallelism['ep_size']} x tp {parallelism['moe_tp_size']}"
+    fused = parallelism["num_fused_shared_experts"]
+    shared = f"fused ({fused} slot{'s' if fused > 1 else ''})" if fused else "apart"
+    dense = parallelism["moe_dense_tp_size"]
+    dense_cell = "replicated" if dense == 1 else f"tp {tp}"
+    lm_head = f"attn tp {attn_tp}" if parallelism["enable_dp_lm_head"] else f"tp {tp}"
+    return attention, moe, shared, dense_cell, lm_head
+
+
+def _layouts_table(summary: dict[str, Any]) -> Table:
+    """One row per distinct rollout layout: which ranks hold it and how it splits."""
+    table = Table(title="Rollout layouts")
+    columns = ("layout", "ranks", "attention", "moe", "shared experts", "dense mlp", "lm_head")
+    for column in (*columns, "params", "bytes"):
+        table.add_column(column, justify="right" if column in ("params", "bytes") else "left")
+    seen: dict[int, list[dict[str, Any]]] = {}
+    for target in summary["targets"]:
+        seen.setdefault(target["layout_id"], []).append(target)
+    for layout_id, members in sorted(seen.items()):
+        first = members[0]
+        table.add_row(
+            str(layout_id),
+            _compact_targets(members),
+            *_layout_cells(first["parallelism"]),
+            str(first["num_params"]),
+            _human_bytes(first["bytes"]),
+        )
+    return table
+
+
 def _print_tables(summary: dict[str, Any], sync_plan: SyncPlan) -> None:
     console = Console()
+    console.print(_layouts_table(summary))
     targets = Table(title="Rollout target ranks")
     for column in ("replica", "rank", "session", "layout", "params", "bytes"):
         targets.add_column(column, justify="right" if column in ("params", "bytes") else "left")
@@ -376,6 +470,14 @@ def _print_tables(summary: dict[str, Any], sync_plan: SyncPlan) -> None:
         f"{summary['num_copy_items']} copy items, ~{summary['num_write_regions']} writes"
     )
     console.print(f"written in total: {_human_bytes(sync_plan.num_bytes_written)}")
+    if summary["num_engine_owned"]:
+        kinds = sorted(
+            {kind for owned in sync_plan.engine_owned.values() for kind in owned.values()}
+        )
+        console.print(
+            f"engine-owned, left alone: {summary['num_engine_owned']} parameters "
+            f"({', '.join(kinds)}) on {len(sync_plan.engine_owned)} rank(s)"
+        )
     console.print(f"imbalance (max / mean bytes written per source): {summary['imbalance']:.3f}")
 
 

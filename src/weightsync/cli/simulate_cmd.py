@@ -68,6 +68,127 @@ DeltaFp8ScaleDensityOption = Annotated[
 ]
 
 
+# The rollout layout options, declared once for `weightsync plan` with and without --simulate.
+RolloutDpAttentionOption = Annotated[
+    int,
+    typer.Option(
+        "--rollout-dp-attention",
+        help="Attention data-parallel groups inside each replica's TP group (SGLang's "
+        "--attn-dp-size, or --dp-size N --enable-dp-attention): attention splits over "
+        "TP / N ranks, MoE over the whole TP group.",
+    ),
+]
+RolloutFusedSharedExpertsOption = Annotated[
+    bool,
+    typer.Option(
+        "--rollout-fused-shared-experts",
+        help="DeepSeek's shared experts fused into the routed experts as extra expert slots "
+        "(SGLang's default for DeepSeek-V3 at pure TP on H100/H200; "
+        "--enforce-shared-experts-fusion).",
+    ),
+]
+RolloutMoeDenseTpSizeOption = Annotated[
+    int | None,
+    typer.Option(
+        "--rollout-moe-dense-tp-size",
+        help="SGLang's --moe-dense-tp-size: 1 replicates the dense MLP layers (SGLang "
+        "accepts only 1 or the TP size).",
+    ),
+]
+RolloutDpLmHeadOption = Annotated[
+    bool,
+    typer.Option(
+        "--rollout-dp-lm-head",
+        help="SGLang's --enable-dp-lm-head: lm_head splits over attention TP (needs "
+        "--rollout-dp-attention).",
+    ),
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutLayout:
+    """The SGLang layout settings of every simulated replica.
+
+    Attributes:
+        dp_attention: attention data-parallel groups inside the TP group (1: none).
+        fused_shared_experts: DeepSeek's shared experts fused into the routed experts.
+        moe_dense_tp_size: ``--moe-dense-tp-size`` (None: not set).
+        dp_lm_head: ``--enable-dp-lm-head``.
+    """
+
+    dp_attention: int = 1
+    fused_shared_experts: bool = False
+    moe_dense_tp_size: int | None = None
+    dp_lm_head: bool = False
+
+    def simulate_kwargs(self) -> dict[str, Any]:
+        """These settings as `weightsync.plan.simulate_targets` takes them."""
+        return {
+            "attn_dp": self.dp_attention,
+            "fused_shared_experts": self.fused_shared_experts,
+            "moe_dense_tp_size": self.moe_dense_tp_size,
+            "dp_lm_head": self.dp_lm_head,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """These settings for a JSON summary."""
+        return {
+            "dp_attention": self.dp_attention,
+            "fused_shared_experts": self.fused_shared_experts,
+            "moe_dense_tp_size": self.moe_dense_tp_size,
+            "dp_lm_head": self.dp_lm_head,
+        }
+
+    def describe(self) -> str:
+        """``" dp-attention 2 fused-shared-experts"``: what differs from plain TP/EP."""
+        parts = []
+        if self.dp_attention > 1:
+            parts.append(f"dp-attention {self.dp_attention}")
+        if self.dp_lm_head:
+            parts.append("dp-lm-head")
+        if self.fused_shared_experts:
+            parts.append("fused-shared-experts")
+        if self.moe_dense_tp_size is not None:
+            parts.append(f"moe-dense-tp {self.moe_dense_tp_size}")
+        return "".join(f" {part}" for part in parts)
+
+
+def check_rollout_layout(config: dict[str, Any], tp: int, layout: RolloutLayout) -> None:
+    """Reject rollout layout settings SGLang would not run, naming the option.
+
+    Raises:
+        SimulateOptionError: a width below 1 or not dividing `tp`, a dense-MLP TP size other
+            than 1 or `tp`, a DP lm_head without attention DP, or fused shared experts for a
+            model without DeepSeek's shared experts.
+    """
+    if layout.dp_attention < 1 or tp % layout.dp_attention:
+        raise SimulateOptionError(
+            "--rollout-dp-attention",
+            f"{layout.dp_attention} must be at least 1 and divide --rollout-tp {tp}",
+        )
+    if layout.moe_dense_tp_size not in (None, 1, tp):
+        raise SimulateOptionError(
+            "--rollout-moe-dense-tp-size",
+            f"{layout.moe_dense_tp_size}: SGLang accepts only 1 or the TP size ({tp})",
+        )
+    if layout.dp_lm_head and layout.dp_attention == 1:
+        raise SimulateOptionError(
+            "--rollout-dp-lm-head", "needs attention DP: add --rollout-dp-attention N (N > 1)"
+        )
+    if layout.fused_shared_experts:
+        try:
+            fusable = family_for(config["model_type"]).deepseek_moe and bool(
+                normalize_hf_config(config).get("n_shared_experts")
+            )
+        except ValueError as exc:
+            raise SimulateOptionError("--model-config", f"{exc}") from exc
+        if not fusable:
+            raise SimulateOptionError(
+                "--rollout-fused-shared-experts",
+                f"{config['model_type']} has no DeepSeek shared experts to fuse",
+            )
+
+
 class SimulateOptionError(Exception):
     """A command-line value that cannot work; `option` names it."""
 
@@ -85,6 +206,8 @@ class SimulateOptions:
         trainer_pp, trainer_dp: pipeline stages and data-parallel copies, or None.
         rollout_gpus: rollout GPUs.
         rollout_tp, rollout_ep, replicas: each replica's sizes and their number, or None.
+        rollout_layout: each replica's SGLang layout settings (attention DP, fused shared
+            experts, dense-MLP TP, DP lm_head).
         nic_gbps, gpus_per_node, nics_per_node: the network.
         fp8: FP8 rollout bytes; None: as the config ships.
         num_windows: the schedule's layer windows.
@@ -113,6 +236,7 @@ class SimulateOptions:
     delta_density: float | None = None
     delta_fp8_code_density: float | None = None
     delta_fp8_scale_density: float | None = None
+    rollout_layout: RolloutLayout = RolloutLayout()
 
 
 def run_simulation(
@@ -146,6 +270,7 @@ def run_simulation(
             network=network,
             fp8=cluster["fp8"],
             num_windows=options.num_windows,
+            **options.rollout_layout.simulate_kwargs(),
         )
     except ValueError as exc:
         raise SimulateOptionError("--rollout-tp/--rollout-ep", f"{exc}") from exc
@@ -201,10 +326,14 @@ def _resolve(config: dict[str, Any], o: SimulateOptions) -> dict[str, Any]:
             f"{o.replicas} replicas of tp {rollout_tp} are not --rollout-gpus {o.rollout_gpus}; "
             f"pass --rollout-gpus {o.replicas * rollout_tp}",
         )
+    check_rollout_layout(config, rollout_tp, o.rollout_layout)
     heads = dims["num_attention_heads"]
-    if heads % rollout_tp:
+    attn_tp = rollout_tp // o.rollout_layout.dp_attention
+    if heads % attn_tp:
         raise SimulateOptionError(
-            "--rollout-tp", f"{rollout_tp} does not divide the model's num_attention_heads={heads}"
+            "--rollout-tp",
+            f"{attn_tp} attention-TP ranks (--rollout-tp / --rollout-dp-attention) do not "
+            f"divide the model's num_attention_heads={heads}",
         )
     rollout_ep = o.rollout_ep or (rollout_tp if moe else 1)
     if rollout_tp % rollout_ep:
@@ -247,6 +376,7 @@ def _resolve(config: dict[str, Any], o: SimulateOptions) -> dict[str, Any]:
         "rollout_ep": rollout_ep,
         "replicas": replicas,
         "fp8": is_fp8_config(config) if o.fp8 is None else o.fp8,
+        "rollout_layout": o.rollout_layout,
     }
 
 
@@ -334,6 +464,7 @@ def _summary(
             "replicas": cluster["replicas"],
             "tp": cluster["rollout_tp"],
             "ep": cluster["rollout_ep"],
+            **cluster["rollout_layout"].summary(),
         },
         "network": {
             "nic_gbps": network.nic_gbps,
@@ -372,9 +503,19 @@ def _title(summary: dict[str, Any]) -> str:
     dtype = "FP8" if summary["fp8"] else "bf16"
     return (
         f"{summary['model_config']} ({dtype}): {t['gpus']} trainer GPUs (tp {t['tp']} ep {t['ep']} "
-        f"pp {t['pp']} dp {t['dp']}) -> {r['replicas']} x tp {r['tp']} ep {r['ep']}, "
+        f"pp {t['pp']} dp {t['dp']}) -> {r['replicas']} x tp {r['tp']} ep {r['ep']}"
+        f"{_layout_words(r)}, "
         f"{summary['network']['nic_gbps']:g} Gb/s per NIC"
     )
+
+
+def _layout_words(rollout: dict[str, Any]) -> str:
+    return RolloutLayout(
+        dp_attention=rollout["dp_attention"],
+        fused_shared_experts=rollout["fused_shared_experts"],
+        moe_dense_tp_size=rollout["moe_dense_tp_size"],
+        dp_lm_head=rollout["dp_lm_head"],
+    ).describe()
 
 
 def _print(summary: dict[str, Any]) -> None:

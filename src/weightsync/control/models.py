@@ -463,7 +463,9 @@ class TransferEngineInfoResponse(_Response):
 
 
 class ParallelismConfigModel(_Response):
-    """SGLang's ``RankParallelismConfig.to_dict()``; readers ignore unknown keys."""
+    """SGLang's ``RankParallelismConfig.to_dict()``; readers ignore unknown keys. The
+    reference server adds what SGLang's config does not carry: the shared experts fused into
+    the routed experts, ``--moe-dense-tp-size`` and ``--enable-dp-lm-head``."""
 
     tp_size: int
     tp_rank: int
@@ -476,14 +478,20 @@ class ParallelismConfigModel(_Response):
     attn_tp_size: int | None = None
     attn_tp_rank: int | None = None
     attn_dp_size: int = 1
-    attn_dp_rank: int = 0
+    attn_dp_rank: int | None = None
+    num_fused_shared_experts: int = 0
+    moe_dense_tp_size: int | None = None
+    enable_dp_lm_head: bool = False
     world_size: int | None = None
     global_rank: int | None = None
     local_rank: int | None = None
 
 
 class ServerInfo(_Response):
-    """``GET /server_info``: the reference server's arguments, state and version."""
+    """``GET /server_info``: the reference server's arguments, state and version; its layout
+    under SGLang 0.5.23's keys (``attn_dp_size`` with ``enable_dp_attention``,
+    ``enable_dp_lm_head``, ``moe_dense_tp_size``, ``quantization`` with
+    ``weight_block_size``)."""
 
     model_path: str
     tp_size: int
@@ -500,8 +508,12 @@ class ServerInfo(_Response):
     version: str
     status: str = "ready"
     dp_size: int = 1
+    attn_dp_size: int = 1
     enable_dp_attention: bool = False
+    enable_dp_lm_head: bool = False
     moe_dense_tp_size: int | None = None
+    quantization: str | None = None
+    weight_block_size: list[int] | None = None
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     cpu_offload_gb: float = 0

@@ -122,40 +122,143 @@ def num_ranks(server_info: Mapping[str, Any]) -> int:
     return tp_size * int(pp_size)
 
 
-def derive_parallelism(server_info: Mapping[str, Any], rank: int) -> ParallelismConfig:
-    """Rank `rank`'s parallelism config, derived from a server's arguments as SGLang does.
-
-    Used for servers without ``/parallelism_config``: ``tp_size``, ``pp_size``, ``ep_size``,
-    ``enable_dp_attention`` with ``dp_size``, and ``moe_dense_tp_size``.
+def _size(server_info: Mapping[str, Any], key: str) -> int:
+    """``server_info[key]`` as a size: absent or null is 1.
 
     Raises:
-        ValueError: a rank outside the replica, or sizes that do not divide.
+        ValueError: a value that is not a positive int.
     """
-    tp_size = int(server_info.get("tp_size") or 1)
-    pp_size = int(server_info.get("pp_size") or 1)
-    ep_size = int(server_info.get("ep_size") or 1)
+    value = server_info.get(key)
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"/server_info reports {key}={value!r}: expected a positive int")
+    return value
+
+
+def attention_dp_size(server_info: Mapping[str, Any]) -> int:
+    """How many attention data-parallel groups one replica's TP group holds.
+
+    SGLang 0.5.23 reports the width as ``attn_dp_size`` (its ``--attn-dp-size``; the
+    deprecated ``--dp-size N --enable-dp-attention`` resolves to ``attn_dp_size = N``,
+    ``dp_size = 1``, and ``enable_dp_attention`` is reported as ``attn_dp_size > 1``). Servers
+    that predate the key report the width as ``dp_size`` beside ``enable_dp_attention``; as
+    SGLang resolves that spelling, ``dp_size`` counts only when ``attn_dp_size`` says 1.
+
+    Raises:
+        ValueError: a width that is not a positive int.
+    """
+    width = _size(server_info, "attn_dp_size")
+    if width == 1 and server_info.get("enable_dp_attention"):
+        return _size(server_info, "dp_size")
+    return width
+
+
+def _num_model_copies(server_info: Mapping[str, Any]) -> int:
+    """How many copies of the model one server runs (SGLang's data-parallel controller): its
+    ``dp_size``, except where the deprecated spelling made ``dp_size`` the attention-DP
+    width (`attention_dp_size`).
+
+    Raises:
+        ValueError: a width that is not a positive int.
+    """
+    if _size(server_info, "attn_dp_size") == 1 and server_info.get("enable_dp_attention"):
+        return 1
+    return _size(server_info, "dp_size")
+
+
+def derive_parallelism(
+    server_info: Mapping[str, Any], rank: int, *, num_fused_shared_experts: int = 0
+) -> ParallelismConfig:
+    """Rank `rank`'s parallelism config, derived from a server's arguments as SGLang 0.5.23
+    derives it (``compute_dp_attention_world_info``, ``derive_parallel_widths``).
+
+    Used for servers without ``/parallelism_config``: ``tp_size``, ``pp_size``, ``ep_size``;
+    attention DP (`attention_dp_size`): ``attn_tp_size = tp_size // attn_dp_size``,
+    ``attn_tp_rank = tp_rank % attn_tp_size``, ``attn_dp_rank = tp_rank // attn_tp_size``;
+    ``moe_dense_tp_size``; and ``enable_dp_lm_head``, which SGLang resolves to off without
+    attention DP. ``/server_info`` cannot say whether SGLang fused the shared experts (it
+    decides by the GPU): `num_fused_shared_experts` is what the rank's published parameters
+    say (`weightsync.plan.served_targets`), 0 until they are read.
+
+    Raises:
+        ValueError: a rank outside the replica, sizes that are not positive ints or do not
+            divide, or settings SGLang itself refuses (`refusal` names the flag).
+    """
+    tp_size = _size(server_info, "tp_size")
+    pp_size = _size(server_info, "pp_size")
     if not 0 <= rank < tp_size * pp_size:
         raise ValueError(f"rank {rank} is outside a replica of {tp_size * pp_size} rank(s)")
+    reason = _layout_refusal(server_info)
+    if reason is not None:
+        raise ValueError(reason)
     pp_rank, tp_rank = divmod(rank, tp_size)
-    attn_dp_size = (
-        int(server_info.get("dp_size") or 1) if server_info.get("enable_dp_attention") else 1
-    )
-    if tp_size % attn_dp_size:
-        raise ValueError(f"dp_size={attn_dp_size} must divide tp_size={tp_size}")
+    attn_dp_size = attention_dp_size(server_info)
     attn_tp_size = tp_size // attn_dp_size
     return ParallelismConfig(
         tp_size=tp_size,
         tp_rank=tp_rank,
         pp_size=pp_size,
         pp_rank=pp_rank,
-        ep_size=ep_size,
+        ep_size=_size(server_info, "ep_size"),
         attn_tp_size=attn_tp_size,
         attn_tp_rank=tp_rank % attn_tp_size,
         attn_dp_size=attn_dp_size,
         attn_dp_rank=tp_rank // attn_tp_size,
+        num_fused_shared_experts=num_fused_shared_experts,
+        moe_dense_tp_size=server_info.get("moe_dense_tp_size"),
+        enable_dp_lm_head=attn_dp_size > 1 and bool(server_info.get("enable_dp_lm_head")),
         world_size=tp_size * pp_size,
         global_rank=rank,
     )
+
+
+def _layout_refusal(server_info: Mapping[str, Any]) -> str | None:
+    """Why this replica's parallel layout cannot be written, naming the flag: sizes SGLang
+    itself refuses (a server that reports them is not one SGLang runs), and layouts
+    weightsync does not write.
+
+    Raises:
+        ValueError: a size that is not a positive int.
+    """
+    tp_size = _size(server_info, "tp_size")
+    ep_size = _size(server_info, "ep_size")
+    if tp_size % ep_size:
+        return f"ep_size={ep_size} does not divide tp_size={tp_size}; SGLang refuses --ep-size"
+    attn_dp_size = attention_dp_size(server_info)
+    if tp_size % attn_dp_size:
+        return (
+            f"attention DP of {attn_dp_size} groups does not divide tp_size={tp_size} "
+            "(--attn-dp-size, or --dp-size with --enable-dp-attention): SGLang does not run it"
+        )
+    dense = server_info.get("moe_dense_tp_size")
+    if dense not in (None, 1, tp_size) or isinstance(dense, bool):
+        return (
+            f"moe_dense_tp_size={dense!r}: SGLang supports only None, 1 or tp_size={tp_size} "
+            "(--moe-dense-tp-size)"
+        )
+    # SGLang turns --enable-dp-lm-head off when the server has one DP rank in all, and
+    # refuses it with several but no attention DP.
+    copies = _num_model_copies(server_info)
+    if server_info.get("enable_dp_lm_head") and attn_dp_size == 1 and copies > 1:
+        return (
+            "enable_dp_lm_head without attention DP: SGLang requires --attn-dp-size (or "
+            "--enable-dp-attention) for --enable-dp-lm-head"
+        )
+    if copies > 1:
+        return (
+            f"dp_size={copies}: one server runs {copies} copies of the model whose ranks "
+            "publish their weights under the same tp ranks, so writes would reach one copy; "
+            "serve one copy per server (--dp-size 1, one replica each) or use --attn-dp-size"
+        )
+    # Widths SGLang runs whose weight layouts weightsync does not write yet.
+    for key, flag, what in (
+        ("attn_cp_size", "--attn-cp-size 1", "attention context parallelism"),
+        ("moe_dp_size", "--moe-dp-size 1", "MoE data parallelism"),
+    ):
+        if _size(server_info, key) != 1:
+            return f"{key}={server_info.get(key)}: {what} is not written; restart with {flag}"
+    return None
 
 
 def served_dtype(server_info: Mapping[str, Any]) -> str | None:
@@ -168,31 +271,6 @@ def served_dtype(server_info: Mapping[str, Any]) -> str | None:
         return canonical_dtype_name(dtype)
     except ValueError:
         return None
-
-
-def served_fp8_block(server_info: Mapping[str, Any]) -> int:
-    """The block size of the block-FP8 weights a replica serves, 0 for unquantised ones.
-
-    Read from SGLang's ``quantization`` key and the ``weight_block_size`` the reference
-    server publishes beside it (DeepSeek-V3's and Kimi-K2's 128 when a server names FP8
-    without a block).
-
-    Raises:
-        ValueError: a quantisation weightsync does not write (another method, non-square
-            blocks).
-    """
-    method = server_info.get("quantization")
-    if method in (None, "", "none"):
-        return 0
-    if method != "fp8":
-        raise ValueError(
-            f"the replica serves quantization={method!r}; weightsync writes unquantised and "
-            "block-FP8 ('fp8') rollouts"
-        )
-    block = server_info.get("weight_block_size") or [128, 128]
-    if len(block) != 2 or block[0] != block[1] or not isinstance(block[0], int) or block[0] < 1:
-        raise ValueError(f"the replica serves FP8 with weight_block_size={block!r}: not square")
-    return block[0]
 
 
 # SGLang flags that move, free or repack parameter memory after it was registered, with the
@@ -229,8 +307,10 @@ _REPACKED_ON_CPU = frozenset({"bfloat16", "float16", "int8", "uint8", "float8_e4
 def refusal(server_info: Mapping[str, Any]) -> str | None:
     """Why one-sided writes into this replica would not land in the weights it serves, or
     None when nothing does: the memory saver, weight offload or backup, SGLang's CPU weight
-    repacking, and layouts weightsync does not write (pipeline or attention data parallelism,
-    a dense-MLP TP size of its own)."""
+    repacking, sizes SGLang itself refuses (a server reporting them runs no layout SGLang
+    has), and layouts weightsync does not write (pipeline parallelism, attention context
+    parallelism, MoE data parallelism). Attention DP, ``--moe-dense-tp-size`` and
+    ``--enable-dp-lm-head`` are written (`derive_parallelism`)."""
     for key, is_on, advice in _UNSAFE_FLAGS:
         if is_on(server_info.get(key)):
             return f"{key}={server_info.get(key)!r}: {advice}"
@@ -247,14 +327,12 @@ def refusal(server_info: Mapping[str, Any]) -> str | None:
                 "linear weights into new tensors on AMX CPUs, away from the registered "
                 "addresses; serve with --dtype float32 (never repacked) or on GPU"
             )
-    if int(server_info.get("pp_size") or 1) != 1:
-        return f"pp_size={server_info.get('pp_size')}: pipeline-parallel rollouts are not written"
-    if server_info.get("enable_dp_attention"):
-        return "enable_dp_attention: attention data parallelism is not written; restart without it"
-    dense = server_info.get("moe_dense_tp_size")
-    if dense not in (None, server_info.get("tp_size")):
-        return (
-            f"moe_dense_tp_size={dense}: dense MLPs split differently from the attention are not "
-            "written; restart without --moe-dense-tp-size"
-        )
-    return None
+    try:
+        if _size(server_info, "pp_size") != 1:
+            return (
+                f"pp_size={server_info.get('pp_size')}: pipeline-parallel rollouts are not "
+                "written; restart with --pp-size 1"
+            )
+        return _layout_refusal(server_info)
+    except ValueError as exc:
+        return str(exc)

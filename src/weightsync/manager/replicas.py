@@ -9,10 +9,13 @@ as SGLang derives it) and `replica_targets` (every rank as a `TargetRank`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from weightsync.checkpoint import load_config_dict
 from weightsync.control import RolloutClient
 from weightsync.control.models import BeginWeightUpdateResponse
 from weightsync.control.protocol import (
@@ -24,8 +27,8 @@ from weightsync.control.protocol import (
     num_ranks,
     refusal,
     served_dtype,
-    served_fp8_block,
 )
+from weightsync.control.quantization import served_quantization
 from weightsync.errors import RemoteReplicaError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.manager.update import Sessions
@@ -57,9 +60,33 @@ async def parallelism_of(
                 raise
             return [derive_parallelism(server_info, rank) for rank in ranks], DERIVED
         rest = await asyncio.gather(*(client.get_parallelism_config(r) for r in ranks[1:]))
-        return [first, *rest], "/parallelism_config"
+        # SGLang's RankParallelismConfig does not carry the dense-MLP and lm_head settings:
+        # its server arguments do.
+        derived = derive_parallelism(server_info, ranks[0])
+        settings = {
+            "moe_dense_tp_size": derived.moe_dense_tp_size,
+            "enable_dp_lm_head": derived.enable_dp_lm_head,
+        }
+        return [dataclasses.replace(c, **settings) for c in (first, *rest)], "/parallelism_config"
     configs = await asyncio.gather(*(client.get_parallelism_config(r) for r in ranks))
     return list(configs), "/parallelism_config"
+
+
+def served_checkpoint_config(server_info: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json of the checkpoint a replica serves, where its ``model_path`` is a
+    folder this process can read (the same host or a shared file system), else None.
+
+    Blocking (it reads a file): call it in a thread from async code.
+    """
+    model_path = server_info.get("model_path")
+    if not isinstance(model_path, str) or not model_path:
+        return None
+    try:
+        if not Path(model_path).is_dir():
+            return None
+        return load_config_dict(model_path)
+    except (OSError, ValueError):
+        return None
 
 
 async def replica_targets(
@@ -75,15 +102,21 @@ async def replica_targets(
     protocol = ReplicaProtocol.from_server_info(server_info)
     try:
         ranks = range(num_ranks(server_info))
-        fp8_block = served_fp8_block(server_info)
     except ValueError as exc:
         raise RemoteReplicaError(
             f"replica {url}: {exc}", replica=url, route="/server_info"
         ) from exc
     engine_infos = asyncio.gather(*(client.get_transfer_engine_reply(r) for r in ranks))
     try:
-        infos, (configs, source) = await asyncio.gather(
-            engine_infos, parallelism_of(client, protocol, server_info, ranks)
+        infos, (configs, source), checkpoint_config = await asyncio.gather(
+            engine_infos,
+            parallelism_of(client, protocol, server_info, ranks),
+            asyncio.to_thread(served_checkpoint_config, server_info),
+        )
+        fp8_block = served_quantization(
+            server_info,
+            checkpoint_config=checkpoint_config,
+            weights_infos=[info.remote_instance_transfer_engine_info[1] for info in infos],
         )
     except ValueError as exc:
         raise RemoteReplicaError(

@@ -812,12 +812,14 @@ class _BaseAdopted:
 def _replica_checksums(
     targets: Sequence[TargetRank], shares: Sequence[_BaseShare]
 ) -> dict[str, RankChecksums]:
-    """Per replica and rank, every published parameter's checksum added up over the trainer
-    ranks' shares (a parameter no rank writes: zeros, checksum 0)."""
+    """Per replica and rank, the checksum of every parameter the trainers write, added up
+    over the trainer ranks' shares. A parameter no trainer rank writes is the engine's own
+    (FP8 KV scales, `weightsync.plan.engine_owned`): no delta touches it, and it is not
+    part of the base."""
     out: dict[str, dict[int, dict[str, int]]] = {}
     by_session = {}
     for target in targets:
-        out.setdefault(target.replica, {})[target.rank] = dict.fromkeys(target.weights_info, 0)
+        out.setdefault(target.replica, {})[target.rank] = {}
         by_session[target.session_id] = target
     for share in shares:
         for session, sums in (share.checksums or {}).items():

@@ -29,6 +29,7 @@ from weightsync.layout.types import ParamLayout
 from weightsync.plan import boxes as box_ops
 from weightsync.plan.assign import UnitKey, WorkUnit, assign_units
 from weightsync.plan.boxes import Box
+from weightsync.plan.engine_owned import EngineOwned
 from weightsync.plan.items import CopyItem, LayoutGroup, SourcePlan, StageWork
 from weightsync.plan.merge import merge_items
 from weightsync.plan.parts import (
@@ -38,6 +39,7 @@ from weightsync.plan.parts import (
     only_dtype,
     targets_of_dtype,
 )
+from weightsync.plan.served import served_targets
 from weightsync.plan.sync_plan import SyncPlan
 from weightsync.plan.types import SourceHolding, TargetRank
 from weightsync.plan.validate import (
@@ -62,6 +64,7 @@ def build_plan(
     dtype: Any = None,
     skip_tensors: Collection[str] = (),
     param_dtype: str | None = None,
+    engine_owned: Collection[str] = (),
 ) -> SyncPlan:
     """Plan which trainer source writes which bytes of which rollout rank, and check it.
 
@@ -77,6 +80,10 @@ def build_plan(
             only those). A layout of several dtypes (DeepSeek's float32 router bias beside
             bf16, FP8 weights beside their float32 scales) gets one such plan per dtype, its
             `SyncPlan.parts` (`weightsync.plan.parts`).
+        engine_owned: names (shell patterns) of further parameters a target may publish
+            that no HF tensor feeds and that the plan leaves alone, beside the kinds it knows
+            (FP8 KV-cache ``k_scale`` / ``v_scale``, `weightsync.plan.engine_owned`); each
+            target's are named in `SyncPlan.engine_owned`.
 
     Returns:
         The validated plan; ``plan.for_source(rank)`` is what source `rank` executes.
@@ -85,7 +92,9 @@ def build_plan(
         ValueError: no targets or sources, a duplicated target or source rank, or a config
             the layout rules reject.
         LayoutMismatchError: a target published a parameter table that differs from its
-            layout (missing, unexpected, wrong numel or element size) or parameters whose
+            layout (missing, unexpected and not engine-owned, wrong numel or element size,
+            an expert ``w13_weight`` that is no whole number of expert slots or holds fused
+            shared experts its parallelism contradicts) or parameters whose
             memory overlaps; a source holds a tensor with the wrong shape, of a dtype that does
             not cast to the rollout's, or that is not the checkpoint's (and not skipped); or a
             tensor the layout needs is held by no source; sources hold boxes of one tensor
@@ -93,6 +102,11 @@ def build_plan(
             or elements of a tensor the layout reads lie in no source's box.
     """
     _check_unique(targets, sources)
+    owned = EngineOwned.of(engine_owned)
+    if param_dtype is None:
+        # What SGLang's arguments cannot say (fused shared experts) the parameters do.
+        targets, served_problems = served_targets(hf_config, targets)
+        raise_if_problems(served_problems)
     if dtype is None:
         dtype = _reported_dtype(targets)
     groups = _group_targets(hf_config, targets, dtype)
@@ -101,7 +115,7 @@ def build_plan(
         raise_if_problems(check_fp8_sources(groups, sources))
     elif len(layout_dtypes(groups)) > 1:
         # One plan per dtype; the whole table is checked here, each part checks its own.
-        raise_if_problems(check_targets(groups))
+        raise_if_problems(check_targets(groups, owned))
         parts = tuple(
             build_plan(
                 hf_config=hf_config,
@@ -110,15 +124,17 @@ def build_plan(
                 dtype=dtype,
                 skip_tensors=skip_tensors,
                 param_dtype=part_dtype,
+                engine_owned=engine_owned,
             )
             for part_dtype in layout_dtypes(groups)
         )
-        return combine_parts(parts, targets=tuple(targets), groups=groups)
+        combined = combine_parts(parts, targets=tuple(targets), groups=groups)
+        return dataclasses.replace(combined, engine_owned=owned.of_groups(groups))
     hf_shapes = hf_tensor_shapes(hf_config)
     tensor_units, users = _work_units(groups, hf_shapes)
     held = _held_boxes(sources)
 
-    problems = check_targets(groups)
+    problems = check_targets(groups, owned)
     problems += check_disjoint(targets)
     problems += check_inside_regions(targets)
     problems += check_source_names(sources, hf_shapes, _skipper(skip_tensors))
@@ -150,6 +166,7 @@ def build_plan(
         assignments=assignments,
         source_plans=source_plans,
         num_write_regions=sum(_num_write_regions(sp) for sp in source_plans.values()),
+        engine_owned=owned.of_groups(groups),
     )
 
 

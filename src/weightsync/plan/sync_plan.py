@@ -29,6 +29,10 @@ class SyncPlan:
             adjacent in the destination (an estimate: the sender's buckets may split a run).
         parts: for a layout of several parameter dtypes, the plan of each dtype
             (`weightsync.plan.parts`); `dtype` is then the dtype of the part writing most.
+        engine_owned: ``{(replica, rank): {param_name: kind}}``: the parameters each target
+            published that no HF tensor feeds (FP8 KV-cache scales, and those the caller
+            declared, `weightsync.plan.engine_owned`), which the plan leaves alone; targets
+            with none are left out.
     """
 
     dtype: str
@@ -38,6 +42,9 @@ class SyncPlan:
     source_plans: Mapping[int, SourcePlan] = field(hash=False)
     num_write_regions: int
     parts: tuple[SyncPlan, ...] = field(default=(), hash=False)
+    engine_owned: Mapping[tuple[str, int], Mapping[str, str]] = field(
+        default_factory=dict, hash=False
+    )
 
     def for_source(self, rank: int) -> SourcePlan:
         """The part of the plan that trainer source `rank` executes.
@@ -78,9 +85,12 @@ class SyncPlan:
         Returns:
             ``{"dtype", "num_layout_groups", "num_units", "num_copy_items",
             "num_write_regions", "bytes_written", "imbalance", "targets": [{"replica",
-            "rank", "session_id", "layout_id", "num_params", "bytes", "params": [{"name",
-            "shape", "dtype"}]}], "sources": [{"rank", "bytes", "bytes_staged", "num_tensors",
-            "num_items", "targets": [{"replica", "rank"}]}]}``.
+            "rank", "session_id", "layout_id", "parallelism", "num_params", "bytes",
+            "params": [{"name", "shape", "dtype"}], "engine_owned": {name: kind}}],
+            "num_engine_owned", "sources": [{"rank", "bytes", "bytes_staged", "num_tensors",
+            "num_items", "targets": [{"replica", "rank"}]}]}``; ``parallelism`` is the
+            target's layout (`ParallelismConfig.to_dict`: attention DP, fused shared experts,
+            dense-MLP TP, DP lm_head among it).
         """
         layout_of = {(t.replica, t.rank): group for group in self.groups for t in group.targets}
         targets = []
@@ -92,12 +102,14 @@ class SyncPlan:
                     "rank": target.rank,
                     "session_id": target.session_id,
                     "layout_id": group.layout_id,
+                    "parallelism": target.parallelism.to_dict(),
                     "num_params": len(group.params),
                     "bytes": group.num_bytes,
                     "params": [
                         {"name": p.name, "shape": list(p.shape), "dtype": p.dtype}
                         for p in group.params
                     ],
+                    "engine_owned": dict(self.engine_owned.get((target.replica, target.rank), {})),
                 }
             )
         sources = []
@@ -121,6 +133,7 @@ class SyncPlan:
             "num_write_regions": self.num_write_regions,
             "bytes_written": self.num_bytes_written,
             "imbalance": self.imbalance,
+            "num_engine_owned": sum(len(owned) for owned in self.engine_owned.values()),
             "targets": targets,
             "sources": sources,
         }

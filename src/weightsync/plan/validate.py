@@ -15,6 +15,7 @@ from weightsync.layout.dtypes import FLOAT_DTYPES
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.types import ParamLayout
 from weightsync.plan.boxes import disjoint_or_equal
+from weightsync.plan.engine_owned import EngineOwned
 from weightsync.plan.items import CopyItem, LayoutGroup
 from weightsync.plan.types import SourceHolding, TargetRank
 
@@ -40,7 +41,14 @@ def raise_if_problems(problems: Sequence[str]) -> None:
 
 def _where(target: TargetRank) -> str:
     p: ParallelismConfig = target.parallelism
-    return f"{target.label} [tp {p.tp_rank}/{p.tp_size}, ep {p.ep_rank}/{p.ep_size}]"
+    where = f"tp {p.tp_rank}/{p.tp_size}, ep {p.ep_rank}/{p.ep_size}"
+    if p.attn_dp_size > 1:
+        where += f", attn tp {p.attn_tp_rank}/{p.attn_tp_size} dp {p.attn_dp_rank}/{p.attn_dp_size}"
+    if p.num_fused_shared_experts:
+        where += f", {p.num_fused_shared_experts} fused shared expert(s)"
+    if p.moe_dense_tp_size is not None:
+        where += f", dense tp {p.moe_dense_tp_size}"
+    return f"{target.label} [{where}]"
 
 
 def _describe(param: ParamLayout) -> str:
@@ -50,12 +58,20 @@ def _describe(param: ParamLayout) -> str:
     )
 
 
-def check_targets(groups: Iterable[LayoutGroup]) -> list[str]:
+def check_targets(
+    groups: Iterable[LayoutGroup], engine_owned: EngineOwned | None = None
+) -> list[str]:
     """Compare every target's published ``weights_info`` with its layout.
 
+    Args:
+        groups: the layout groups and their targets.
+        engine_owned: the published parameters no HF tensor feeds that the plan leaves
+            alone (`weightsync.plan.engine_owned`); default the built-in kinds.
+
     Returns:
-        One sentence per missing, unexpected or mis-sized parameter.
+        One sentence per missing, unexpected (and not engine-owned) or mis-sized parameter.
     """
+    owned = engine_owned if engine_owned is not None else EngineOwned()
     problems: list[str] = []
     for group in groups:
         expected = {param.name: param for param in group.params}
@@ -81,11 +97,13 @@ def check_targets(groups: Iterable[LayoutGroup]) -> list[str]:
                     wrong_size.append((param, element_size))
             problems += _element_size_problems(target, wrong_size, len(group.params))
             for name, (_, numel, element_size) in info.items():
-                if name not in expected:
+                if name not in expected and owned.kind_of(name, numel) is None:
                     problems.append(
                         f"{_where(target)}: published parameter {name!r} is unexpected: "
                         f"expected no such parameter in this layout ({len(expected)} "
-                        f"parameters), actual numel {numel}, element size {element_size}"
+                        f"parameters), actual numel {numel}, element size {element_size}; "
+                        "if the engine computes it itself, declare it engine-owned "
+                        "(build_plan's engine_owned)"
                     )
     return problems
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from weightsync.layout import hf_tensor_shapes, model_dtype
 from weightsync.layout.dtypes import dtype_size
-from weightsync.plan import simulate_targets
+from weightsync.plan import served_targets, simulate_targets
 from weightsync.predict.cluster import TrainerShape, simulated_holders
 from weightsync.predict.network import NetworkModel
 from weightsync.predict.schedule import DEFAULT_WINDOWS, network_schedule, round_robin_schedule
@@ -112,6 +112,10 @@ def predict_sync(
     fp8: bool = False,
     dtype: Any = None,
     num_windows: int = DEFAULT_WINDOWS,
+    attn_dp: int = 1,
+    fused_shared_experts: bool = False,
+    moe_dense_tp_size: int | None = None,
+    dp_lm_head: bool = False,
 ) -> SyncPrediction:
     """Build, simulate and compare the schedule of one sync.
 
@@ -125,15 +129,30 @@ def predict_sync(
         fp8: FP8 rollout bytes for the decoder projections (`traffic_units`).
         dtype: the rollout dtype; default the config's.
         num_windows: the schedule's layer windows.
+        attn_dp, fused_shared_experts, moe_dense_tp_size, dp_lm_head: each replica's SGLang
+            layout settings, as `weightsync.plan.simulate_targets` takes them.
 
     Raises:
-        ValueError: a shape the layout rules or the trainer shape reject.
+        ValueError: a shape the layout rules or the trainer shape reject, or settings SGLang
+            refuses.
     """
     network = network or NetworkModel()
     wall, cpu = time.perf_counter(), time.process_time()
     targets = simulate_targets(
-        hf_config, tp=rollout_tp, ep=rollout_ep, replicas=replicas, dtype=dtype
+        hf_config,
+        tp=rollout_tp,
+        ep=rollout_ep,
+        replicas=replicas,
+        dtype=dtype,
+        attn_dp=attn_dp,
+        fused_shared_experts=fused_shared_experts,
+        moe_dense_tp_size=moe_dense_tp_size,
+        dp_lm_head=dp_lm_head,
     )
+    # As `build_plan` does: the fused shared experts are read off the published parameters.
+    targets, problems = served_targets(hf_config, targets)
+    if problems:
+        raise ValueError("; ".join(problems))
     groups, units = traffic_units(hf_config, targets, dtype=dtype, fp8=fp8)
     holders = simulated_holders(units, trainer)
     schedule = network_schedule(groups, units, holders, network, num_windows=num_windows)
