@@ -110,6 +110,26 @@ def test_demo_moe_with_expert_parallelism():
     assert result["ok"] and result["bit_exact"] and result["generation_match"]
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--rollout-dp-attention", "2"),
+        ("--rollout-fused-shared-experts", "--rollout-fp8"),
+    ],
+)
+def test_demo_deepseek_as_sglang_serves_it_at_scale(layout):
+    """Replicas with two attention-DP groups, or with the shared expert fused into the
+    experts (block FP8): the first sync bit-exact after the checker's reset, generation
+    equal to the trainer model's after every sync."""
+    code, result, stderr = _demo(
+        "--model", "tiny-deepseek", *layout, "--steps", "1", "--replicas", "1",
+    )  # fmt: skip
+    assert code == 0, stderr[-3000:]
+    assert result["ok"] and result["bit_exact"] and result["generation_match"]
+    assert result["rollout_dp_attention"] == (2 if "--rollout-dp-attention" in layout else 1)
+    assert result["rollout_fused_shared_experts"] == ("--rollout-fused-shared-experts" in layout)
+
+
 @pytest.mark.megatron
 def test_demo_megatron_trainer_syncs_from_its_slices():
     if importlib.util.find_spec("megatron") is None:
@@ -171,6 +191,26 @@ def test_demo_refuses_bad_options():
     )
     assert proc.returncode == 2
     assert "--rollout-ep" in proc.stderr and "MoE" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("--rollout-dp-attention", "2", "--model", "tiny-moe"), "--rollout-dp-attention"),
+        (("--rollout-dp-attention", "3", "--model", "tiny-deepseek"), "--rollout-dp-attention"),
+        (("--rollout-fused-shared-experts", "--model", "tiny"), "--rollout-fused-shared-experts"),
+    ],
+)
+def test_demo_refuses_deepseek_layouts_elsewhere(args, option):
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "500"},
+    )
+    assert proc.returncode == 2
+    assert option in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -1,6 +1,8 @@
 """The reference engine's DeepSeek-V3 family against HF transformers' DeepseekV3 in float32:
-tp 1 in-process, tp 2 with ep 1 and 2 over gloo; MLA's derived ``w_kc`` / ``w_vc`` (SGLang's
-post-load derivation) and what serving stale ones does.
+tp 1 in-process, tp 2 with ep 1 and 2 over gloo; as SGLang serves it at scale (fused shared
+experts, DP attention, ``moe_dense_tp_size`` 1, ``enable_dp_lm_head``) at tp 1, 2 and 4, in
+float32 and bfloat16; MLA's derived ``w_kc`` / ``w_vc`` (SGLang's post-load derivation) and
+what serving stale ones does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,33 @@ from weightsync.receiver.loader import load_hf_tensors
 from weightsync.testing.presets import preset_config
 
 TP2_RUNS = [(name, ep_size) for name in DEEPSEEK_CASES for ep_size in (1, 2)]
+
+# SGLang's layouts for serving DeepSeek-V3 at scale, on two ranks: DP attention (attention
+# and embed_tokens whole on each rank, the MoE split over both), with expert parallelism and
+# fused shared experts, with the dense MLP replicated and the LM head split per attention-DP
+# group; fused shared experts at plain TP.
+SCALE_TP2: dict[str, dict[str, Any]] = {
+    "dp2": {"tp_size": 2, "attn_dp_size": 2},
+    "dp2_ep2_fused": {"tp_size": 2, "attn_dp_size": 2, "ep_size": 2, "num_fused_shared_experts": 1},
+    "dp2_dense1_dp_lm_head": {
+        "tp_size": 2,
+        "attn_dp_size": 2,
+        "moe_dense_tp_size": 1,
+        "enable_dp_lm_head": True,
+    },
+    "tp2_fused": {"tp_size": 2, "num_fused_shared_experts": 1},
+}
+SCALE_TP2_RUNS = [(name, layout) for name in DEEPSEEK_CASES for layout in SCALE_TP2]
+# Four ranks in two attention-DP groups of two (attention split inside each group).
+SCALE_TP4: dict[str, dict[str, Any]] = {
+    "dp2_ep2_fused": {"tp_size": 4, "attn_dp_size": 2, "ep_size": 2, "num_fused_shared_experts": 1},
+    "dp2_dense1_dp_lm_head": {
+        "tp_size": 4,
+        "attn_dp_size": 2,
+        "moe_dense_tp_size": 1,
+        "enable_dp_lm_head": True,
+    },
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,6 +127,131 @@ def tp2_results(checkpoints) -> list[dict[Any, Any]]:
     return run_in_process_group(2, _tp2_job, paths, timeout_s=240)
 
 
+def _scale_job(
+    rank: int, group, checkpoints: dict[str, str], runs: list[tuple[str, dict[str, Any]]]
+) -> dict[Any, Any]:
+    """On each rank: every (case, parallelism) of ``runs`` in float32, with its param table."""
+    out: dict[Any, Any] = {}
+    for name, fields in runs:
+        path = checkpoints[name]
+        parallelism = ParallelismConfig(tp_rank=rank, **fields)
+        model = ReferenceModel(
+            load_config_dict(path), parallelism, dtype=torch.float32, device="cpu", group=group
+        )
+        model.load_checkpoint(path)
+        out[(name, str(fields))] = {**run_engine(model), "params": _param_table(model)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def scale_tp2_results(checkpoints) -> list[dict[Any, Any]]:
+    """One two-rank gloo job running every `SCALE_TP2` layout of every case."""
+    paths = {name: str(path) for name, (path, _) in checkpoints.items()}
+    runs = [(name, SCALE_TP2[layout]) for name, layout in SCALE_TP2_RUNS]
+    return run_in_process_group(2, _scale_job, paths, runs, timeout_s=300)
+
+
+def _check_scale_run(
+    config: Any, fields: dict[str, Any], results: list[dict[str, list]], reference
+) -> None:
+    """Rank 0 matches HF, every rank matches rank 0, every rank's parameters its layout."""
+    rank0 = results[0]
+    check_against_hf(rank0, reference)
+    for rank, result in enumerate(results):
+        assert result["tokens"] == rank0["tokens"]
+        for logits, logits0 in zip(result["logits"], rank0["logits"], strict=True):
+            assert torch.equal(logits, logits0)
+        parallelism = ParallelismConfig(tp_rank=rank, **fields)
+        assert result["params"] == _layout_table(config, parallelism, "float32")
+
+
+@pytest.mark.parametrize(("name", "layout"), SCALE_TP2_RUNS)
+def test_scale_layouts_at_tp2_match_hf(checkpoints, scale_tp2_results, name, layout):
+    path, reference = checkpoints[name]
+    fields = SCALE_TP2[layout]
+    results = [by_run[(name, str(fields))] for by_run in scale_tp2_results]
+    _check_scale_run(load_config_dict(path), fields, results, reference)
+
+
+def test_scale_layouts_at_tp4_match_hf(checkpoints):
+    """Two attention-DP groups of two ranks: attention heads split inside each group."""
+    path, reference = checkpoints["deepseek"]
+    runs = [("deepseek", fields) for fields in SCALE_TP4.values()]
+    results = run_in_process_group(4, _scale_job, {"deepseek": str(path)}, runs, timeout_s=300)
+    for fields in SCALE_TP4.values():
+        by_rank = [by_run[("deepseek", str(fields))] for by_run in results]
+        _check_scale_run(load_config_dict(path), fields, by_rank, reference)
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_CASES))
+def test_fused_shared_experts_match_hf(checkpoints, name):
+    """The shared expert as the experts' last slot, chosen for every token with weight 1:
+    the same logits, bit for bit, as the shared MLP beside the experts (both add the shared
+    output after the routed ones)."""
+    path, reference = checkpoints[name]
+    config = load_config_dict(path)
+    fused = ReferenceModel(
+        config,
+        ParallelismConfig(tp_size=1, tp_rank=0, num_fused_shared_experts=1),
+        dtype=torch.float32,
+        device="cpu",
+    )
+    fused.load_checkpoint(path)
+    params = dict(fused.named_parameters())
+    assert params["model.layers.1.mlp.experts.w13_weight"].shape[0] == 8 + 1
+    assert not any("shared_experts" in n for n in params)
+    got = run_engine(fused)
+    check_against_hf(got, reference)
+    plain = _tp1(config)
+    plain.load_checkpoint(path)
+    for logits, plain_logits in zip(got["logits"], run_engine(plain)["logits"], strict=True):
+        assert torch.equal(logits, plain_logits)
+
+
+def _bf16_reference(path: Path) -> dict[str, list]:
+    """HF in float32 on the checkpoint's weights rounded to bfloat16 (what a bf16 rollout
+    stores; the router's float32 bias is a buffer and stays as it is)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    return hf_reference(hf)
+
+
+def _bf16_job(rank: int, group, path: str, runs: list[dict[str, Any]]) -> list[dict]:
+    out = []
+    for fields in runs:
+        parallelism = ParallelismConfig(tp_rank=rank, **fields)
+        model = ReferenceModel(
+            load_config_dict(path), parallelism, dtype="bfloat16", device="cpu", group=group
+        )
+        model.load_checkpoint(path)
+        out.append(run_engine(model))
+    return out
+
+
+def test_bf16_fused_and_dp_attention_match_hf_on_bf16_weights(checkpoints):
+    """bfloat16 parameters (computed in float32 on CPU) with fused shared experts at tp 1 and
+    with DP attention and fused shared experts at tp 2, against HF on the same rounded
+    weights."""
+    path, _ = checkpoints["deepseek"]
+    reference = _bf16_reference(path)
+    tp1 = ReferenceModel(
+        load_config_dict(path),
+        ParallelismConfig(tp_size=1, tp_rank=0, num_fused_shared_experts=1),
+        dtype="bfloat16",
+        device="cpu",
+    )
+    tp1.load_checkpoint(path)
+    check_against_hf(run_engine(tp1), reference)
+    runs = [SCALE_TP2["dp2_ep2_fused"], SCALE_TP2["dp2_dense1_dp_lm_head"]]
+    for rank_results in run_in_process_group(2, _bf16_job, str(path), runs, timeout_s=300):
+        for result in rank_results:
+            check_against_hf(result, reference)
+
+
 @pytest.mark.parametrize("name", list(DEEPSEEK_CASES))
 def test_tp1_matches_hf(checkpoints, name):
     path, reference = checkpoints[name]
@@ -128,10 +282,16 @@ def test_tp2_bf16_runs_with_a_float32_router_bias(checkpoints, tp2_results):
     assert dtypes["model.layers.1.mlp.gate.weight"] == "torch.bfloat16"
 
 
-def test_kimi_k2_config_runs_the_same_model(checkpoints):
+@pytest.mark.parametrize("num_fused_shared_experts", [0, 1])
+def test_kimi_k2_config_runs_the_same_model(checkpoints, num_fused_shared_experts):
+    """Kimi-K2's model_type, with its shared expert apart or (SGLang's
+    ``--enforce-shared-experts-fusion``) fused into the experts."""
     path, reference = checkpoints["deepseek"]
     config = {**load_config_dict(path), "model_type": "kimi_k2"}
-    model = _tp1(config)
+    parallelism = ParallelismConfig(
+        tp_size=1, tp_rank=0, num_fused_shared_experts=num_fused_shared_experts
+    )
+    model = ReferenceModel(config, parallelism, dtype=torch.float32, device="cpu")
     model.load_checkpoint(path)
     check_against_hf(run_engine(model), reference)
 
@@ -222,10 +382,19 @@ def test_named_parameters_are_the_rank_layout(preset):
     config = preset_config(preset)
     for tp_size, ep_size in [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4)]:
         for tp_rank in range(tp_size):
-            parallelism = ParallelismConfig(tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size)
-            model = ReferenceModel(config, parallelism, dtype="bfloat16", device="cpu")
-            assert _param_table(model) == _layout_table(config, parallelism, "bfloat16")
-            assert not any(p.requires_grad for p in model.parameters())
+            for extra in (
+                {},
+                {"num_fused_shared_experts": 1},
+                {"attn_dp_size": 2, "moe_dense_tp_size": 1, "enable_dp_lm_head": True},
+            ):
+                if extra.get("attn_dp_size", 1) > tp_size:
+                    continue
+                parallelism = ParallelismConfig(
+                    tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, **extra
+                )
+                model = ReferenceModel(config, parallelism, dtype="bfloat16", device="cpu")
+                assert _param_table(model) == _layout_table(config, parallelism, "bfloat16")
+                assert not any(p.requires_grad for p in model.parameters())
 
 
 @torch.inference_mode()

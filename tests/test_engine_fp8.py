@@ -1,7 +1,8 @@
 """The reference engine serving a block-FP8 DeepSeek-V3: e4m3 weights and float32 block
 scales in SGLang's layout, dequantised per block where used, against HF transformers'
 DeepseekV3 run on the same dequantised weights (float32: greedy tokens equal, logits within
-1e-4); the post-load derivation of MLA's ``w_kc`` / ``w_vc`` from an FP8 ``kv_b_proj``, and
+1e-4), also with the shared expert fused into the experts' FP8 slots and under DP attention
+over gloo; the post-load derivation of MLA's ``w_kc`` / ``w_vc`` from an FP8 ``kv_b_proj``, and
 the wrong tokens served while it is skipped."""
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import torch
 
 from engine_cases import check_against_hf, hf_reference, run_engine
 from fp8_reference import reference_quantize
+from process_group import run_in_process_group
 from weightsync.engine import ReferenceModel
 from weightsync.export import ModelExport
+from weightsync.layout import ParallelismConfig
 from weightsync.layout.quant import is_quantized_hf_name
 from weightsync.receiver.loader import load_hf_tensors
 from weightsync.testing.presets import preset_config, random_model
@@ -70,6 +73,47 @@ def test_fp8_engine_matches_hf_on_the_dequantised_weights(case) -> None:
     assert params["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     model.load_hf_state_dict(checkpoint)
     check_against_hf(run_engine(model), reference)
+
+
+def test_fp8_fused_shared_experts_match_hf(case) -> None:
+    """The shared expert's e4m3 codes and block scales as the experts' last slot."""
+    config, checkpoint, reference = case
+    model = ReferenceModel(
+        config,
+        ParallelismConfig(tp_size=1, tp_rank=0, num_fused_shared_experts=1),
+        dtype=torch.float32,
+        device="cpu",
+    )
+    params = dict(model.named_parameters())
+    assert params["model.layers.1.mlp.experts.w13_weight"].shape[0] == 9
+    assert params["model.layers.1.mlp.experts.w13_weight_scale_inv"].shape[0] == 9
+    model.load_hf_state_dict(checkpoint)
+    check_against_hf(run_engine(model), reference)
+
+
+# DP attention on two ranks (attention whole per rank, MoE split), with expert parallelism
+# and fused shared experts, and with the dense MLP whole and fused shared experts at moe-TP 2.
+_FP8_TP2 = (
+    {"tp_size": 2, "attn_dp_size": 2, "ep_size": 2, "num_fused_shared_experts": 1},
+    {"tp_size": 2, "attn_dp_size": 2, "moe_dense_tp_size": 1, "num_fused_shared_experts": 1},
+)
+
+
+def _fp8_tp2_job(rank: int, group, config: dict, checkpoint: dict) -> list[dict]:
+    out = []
+    for fields in _FP8_TP2:
+        parallelism = ParallelismConfig(tp_rank=rank, **fields)
+        model = ReferenceModel(config, parallelism, dtype=torch.float32, device="cpu", group=group)
+        model.load_hf_state_dict(checkpoint)
+        out.append(run_engine(model))
+    return out
+
+
+def test_fp8_dp_attention_matches_hf(case) -> None:
+    config, checkpoint, reference = case
+    for rank_results in run_in_process_group(2, _fp8_tp2_job, config, checkpoint, timeout_s=300):
+        for result in rank_results:
+            check_against_hf(result, reference)
 
 
 def test_skipping_post_load_after_new_fp8_kv_b_serves_wrong_tokens(case) -> None:

@@ -59,6 +59,21 @@ def demo(
     replicas: Annotated[int, typer.Option(help="Rollout replicas to start.")] = 2,
     rollout_tp: Annotated[int, typer.Option(help="Tensor-parallel size of each replica.")] = 2,
     rollout_ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
+    rollout_dp_attention: Annotated[
+        int,
+        typer.Option(
+            help="Attention-DP groups inside each replica (DeepSeek-V3 family; SGLang's "
+            "--enable-dp-attention --dp-size N): attention split per group, the MoE over all "
+            "ranks; divides --rollout-tp."
+        ),
+    ] = 1,
+    rollout_fused_shared_experts: Annotated[
+        bool,
+        typer.Option(
+            help="Replicas hold the shared expert as the experts' last slot (DeepSeek-V3 "
+            "family; SGLang's --enforce-shared-experts-fusion)."
+        ),
+    ] = False,
     trainer_ranks: Annotated[int, typer.Option(help="Trainer processes (sources).")] = 2,
     trainer_pp: Annotated[int, typer.Option(help="Pipeline stages the trainer exports.")] = 1,
     trainer: Annotated[
@@ -127,6 +142,7 @@ def demo(
     stop when it dies.
     """
     _check_args(replicas, rollout_tp, rollout_ep, trainer_ranks, trainer_pp, model, steps, dtype)
+    _check_deepseek_layout(rollout_dp_attention, rollout_fused_shared_experts, rollout_tp, model)
     _check_trainer(trainer, trainer_ranks, trainer_pp, trainer_tp, trainer_ep, model, rollout_fp8)
     _check_delta(delta, lr, model, dtype)
     if rollout_fp8 and not family_for(preset_config(model)["model_type"]).deepseek_moe:
@@ -146,6 +162,8 @@ def demo(
         "ok": False,
         "replicas": replicas,
         "rollout_tp": rollout_tp,
+        "rollout_dp_attention": rollout_dp_attention,
+        "rollout_fused_shared_experts": rollout_fused_shared_experts,
         "trainer_ranks": trainer_ranks,
         "trainer": trainer,
         "delta": delta,
@@ -172,7 +190,12 @@ def demo(
             region_mb = 0
             if delta:
                 region_mb = _delta_region_mb(
-                    load_config_dict(served), tp=rollout_tp, ep=rollout_ep, dtype=dtype
+                    load_config_dict(served),
+                    tp=rollout_tp,
+                    ep=rollout_ep,
+                    dp_attention=rollout_dp_attention,
+                    fused_shared_experts=rollout_fused_shared_experts,
+                    dtype=dtype,
                 )
                 result["delta_region_mb"] = region_mb
             started = start_replicas(
@@ -184,6 +207,7 @@ def demo(
                 api_key=api_key,
                 log_dir=root / "logs",
                 delta_region_mb=region_mb,
+                extra_args=_layout_args(rollout_dp_attention, rollout_fused_shared_experts),
             )
             progress.update(task, advance=1, description="trainer: first sync (bit-exact check)")
             args = TrainerArgs(
@@ -374,8 +398,8 @@ def _print_summary(
     if result["ok"]:
         console.print(
             f"[green]ok[/green]: {len(result['syncs'])} syncs into {result['replicas']} "
-            f"replica(s) at tp={result['rollout_tp']}, first sync bit-exact, generation equal "
-            "after every sync"
+            f"replica(s) at tp={result['rollout_tp']}{_layout_note(result)}, first sync "
+            "bit-exact, generation equal after every sync"
         )
         deltas = [s for s in result["syncs"] if s["mode"] == "delta"]
         if deltas:
@@ -388,6 +412,15 @@ def _print_summary(
     else:
         console.print(f"demo failed: {failure or 'checks did not pass'}", style="red", markup=False)
         console.print(f"checkpoint and logs kept in {root}")
+
+
+def _layout_note(result: dict[str, Any]) -> str:
+    notes = []
+    if result["rollout_dp_attention"] > 1:
+        notes.append(f" with {result['rollout_dp_attention']} attention-DP groups")
+    if result["rollout_fused_shared_experts"]:
+        notes.append(" with fused shared experts")
+    return ",".join(notes)
 
 
 def _progress(console: Console, *, quiet: bool) -> Progress:
@@ -476,7 +509,41 @@ def _check_trainer(
             bad("--trainer-ep", "expert parallelism needs an MoE model and ep dividing the ranks")
 
 
-def _delta_region_mb(hf_config: dict[str, Any], *, tp: int, ep: int, dtype: str) -> int:
+def _check_deepseek_layout(dp_attention: int, fused: bool, rollout_tp: int, model: str) -> None:
+    def bad(option: str, message: str) -> None:
+        raise typer.BadParameter(message, param_hint=option)
+
+    deepseek = family_for(preset_config(model)["model_type"]).deepseek_moe
+    if dp_attention < 1 or rollout_tp % dp_attention:
+        bad("--rollout-dp-attention", f"must divide --rollout-tp ({rollout_tp})")
+    if dp_attention > 1 and not deepseek:
+        bad(
+            "--rollout-dp-attention",
+            "DP attention is laid out for the DeepSeek-V3 family (e.g. tiny-deepseek), "
+            f"not {model}",
+        )
+    if fused and not deepseek:
+        bad(
+            "--rollout-fused-shared-experts",
+            f"shared experts are DeepSeek-V3's (e.g. tiny-deepseek), not {model}'s",
+        )
+
+
+def _layout_args(dp_attention: int, fused: bool) -> list[str]:
+    """The `weightsync serve` options of the replicas' DeepSeek-V3 layout (SGLang's names)."""
+    args = ["--enable-dp-attention", "--dp-size", str(dp_attention)] if dp_attention > 1 else []
+    return args + (["--enforce-shared-experts-fusion"] if fused else [])
+
+
+def _delta_region_mb(
+    hf_config: dict[str, Any],
+    *,
+    tp: int,
+    ep: int,
+    dtype: str,
+    dp_attention: int = 1,
+    fused_shared_experts: bool = False,
+) -> int:
     """MiB of the delta region each replica rank registers: 1/8 of the largest rank's
     parameter bytes in the rollout dtype, rounded up, at least 1.
 
@@ -488,7 +555,15 @@ def _delta_region_mb(hf_config: dict[str, Any], *, tp: int, ep: int, dtype: str)
             param.num_bytes
             for param in rank_layout(
                 hf_config,
-                ParallelismConfig(tp_size=tp, tp_rank=rank, ep_size=ep),
+                ParallelismConfig(
+                    tp_size=tp,
+                    tp_rank=rank,
+                    ep_size=ep,
+                    attn_dp_size=dp_attention,
+                    num_fused_shared_experts=(
+                        hf_config.get("n_shared_experts", 0) if fused_shared_experts else 0
+                    ),
+                ),
                 canonical_dtype_name(dtype),
             ).values()
         )

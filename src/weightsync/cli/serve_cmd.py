@@ -47,6 +47,64 @@ def serve(
     ],
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (processes).")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel size; divides --tp.")] = 1,
+    attn_dp_size: Annotated[
+        int | None,
+        typer.Option(
+            "--attn-dp-size",
+            help="Attention data-parallel groups inside the TP group (DeepSeek-V3 family): "
+            "attention split over --tp / N ranks and replicated across groups, the MoE over "
+            "all --tp ranks.",
+            show_default=False,
+        ),
+    ] = None,
+    enable_dp_attention: Annotated[
+        bool,
+        typer.Option(
+            "--enable-dp-attention",
+            help="SGLang's older spelling of DP attention: with --dp-size N, the same as "
+            "--attn-dp-size N.",
+        ),
+    ] = False,
+    dp_size: Annotated[
+        int,
+        typer.Option(
+            "--dp-size",
+            help="With --enable-dp-attention: the attention-DP groups. Without it, one "
+            "replica serves one copy of the model (1).",
+        ),
+    ] = 1,
+    enable_dp_lm_head: Annotated[
+        bool,
+        typer.Option(
+            "--enable-dp-lm-head",
+            help="Split an untied lm_head over attention TP, not the whole TP group (needs "
+            "DP attention).",
+        ),
+    ] = False,
+    moe_dense_tp_size: Annotated[
+        int | None,
+        typer.Option(
+            "--moe-dense-tp-size",
+            help="1: dense MLP layers whole on every rank (common with DP attention); "
+            "default: split over TP.",
+            show_default=False,
+        ),
+    ] = None,
+    enforce_shared_experts_fusion: Annotated[
+        bool,
+        typer.Option(
+            "--enforce-shared-experts-fusion",
+            help="Hold DeepSeek's shared expert as the experts' last slot (w13_weight / "
+            "w2_weight), as SGLang's flag does; default: fuse where SGLang fuses by default.",
+        ),
+    ] = False,
+    disable_shared_experts_fusion: Annotated[
+        bool,
+        typer.Option(
+            "--disable-shared-experts-fusion",
+            help="Never fuse DeepSeek's shared experts into the routed experts.",
+        ),
+    ] = False,
     device: Annotated[
         str, typer.Option(help="cpu (gloo) or cuda (NCCL; rank r uses GPU base-gpu-id + r).")
     ] = "cpu",
@@ -187,11 +245,17 @@ def serve(
     # The environment is read here, at the entry point, and nowhere else.
     _follow_parent(os.environ.pop(PARENT_PID_ENV, None))
     api_key = _api_key(api_key, api_key_file, os.environ.pop(API_KEY_ENV, None))
+    attn_dp = _attention_dp_size(attn_dp_size, enable_dp_attention, dp_size)
     try:
         config = ServeConfig(
             model_path=str(model),
             tp_size=tp,
             ep_size=ep,
+            attn_dp_size=attn_dp,
+            enable_dp_lm_head=enable_dp_lm_head,
+            moe_dense_tp_size=moe_dense_tp_size,
+            enforce_shared_experts_fusion=enforce_shared_experts_fusion,
+            disable_shared_experts_fusion=disable_shared_experts_fusion,
             device=device,
             base_gpu_id=base_gpu_id,
             dtype=dtype,
@@ -241,6 +305,29 @@ def serve(
         typer.echo(f"weightsync serve: {exc}", err=True)
         raise typer.Exit(1) from exc
     raise typer.Exit(code)
+
+
+def _attention_dp_size(attn_dp_size: int | None, enable_dp_attention: bool, dp_size: int) -> int:
+    """The attention-DP width from --attn-dp-size, or --dp-size with --enable-dp-attention
+    (SGLang resolves the older spelling to the same width in one copy of the model).
+
+    Raises:
+        typer.Exit: --dp-size above 1 without --enable-dp-attention (several copies of the
+            model in one replica), or the two spellings disagreeing (code 2).
+    """
+    if dp_size != 1 and not enable_dp_attention:
+        _usage_error(
+            f"--dp-size {dp_size} without --enable-dp-attention asks for {dp_size} copies of "
+            "the model; a reference replica serves one (start one replica per copy), or add "
+            "--enable-dp-attention for attention-DP groups"
+        )
+    width = dp_size if enable_dp_attention else 1
+    if attn_dp_size is not None and enable_dp_attention and attn_dp_size != width:
+        _usage_error(
+            f"--attn-dp-size {attn_dp_size} and --enable-dp-attention --dp-size {dp_size} "
+            "disagree; give one of them"
+        )
+    return attn_dp_size if attn_dp_size is not None else width
 
 
 def _follow_parent(parent_pid: str | None) -> None:

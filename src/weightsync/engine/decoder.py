@@ -7,6 +7,7 @@ import torch
 from weightsync.engine.attention import Attention
 from weightsync.engine.cache import KVCache, LatentCache
 from weightsync.engine.embedding import VocabParallelEmbedding
+from weightsync.engine.groups import ModelGroups
 from weightsync.engine.linear import ColumnParallelLinear, RowParallelLinear
 from weightsync.engine.mla import MLAttention
 from weightsync.engine.mlp import MLP
@@ -16,6 +17,7 @@ from weightsync.engine.parameters import LayoutParameters
 from weightsync.engine.rotary import RotaryEmbedding
 from weightsync.engine.spec import MlaSpec, ModelSpec
 from weightsync.engine.tp_group import TensorParallelGroup
+from weightsync.layout.parallelism import ParallelismConfig
 
 
 class DecoderLayer(torch.nn.Module):
@@ -49,25 +51,26 @@ class DecoderLayer(torch.nn.Module):
         *,
         params: LayoutParameters,
         spec: ModelSpec,
-        tp_group: TensorParallelGroup,
-        ep_rank: int,
+        groups: ModelGroups,
+        parallelism: ParallelismConfig,
     ) -> DecoderLayer:
         """Build layer ``index`` from the layout's parameters, taking them in layout order."""
         prefix = f"model.layers.{index}"
         eps = spec.rms_norm_eps
         input_layernorm = RMSNorm(params.take(f"{prefix}.input_layernorm.weight"), eps)
+        attn_group = groups.attention
         if spec.mla is not None:
             self_attn: Attention | MLAttention = _build_mla(
-                f"{prefix}.self_attn", params, spec.mla, eps, tp_group, spec.fp8_block_size
+                f"{prefix}.self_attn", params, spec.mla, eps, attn_group, spec.fp8_block_size
             )
         else:
-            self_attn = _build_attention(f"{prefix}.self_attn", index, params, spec, tp_group)
+            self_attn = _build_attention(f"{prefix}.self_attn", index, params, spec, attn_group)
         post_norm = RMSNorm(params.take(f"{prefix}.post_attention_layernorm.weight"), eps)
         return cls(
             input_layernorm=input_layernorm,
             self_attn=self_attn,
             post_attention_layernorm=post_norm,
-            mlp=_build_mlp(f"{prefix}.mlp", params, spec, tp_group, ep_rank),
+            mlp=_build_mlp(f"{prefix}.mlp", params, spec, groups, parallelism),
         )
 
     def forward(
@@ -167,14 +170,15 @@ def _build_mlp(
     prefix: str,
     params: LayoutParameters,
     spec: ModelSpec,
-    tp_group: TensorParallelGroup,
-    ep_rank: int,
+    groups: ModelGroups,
+    parallelism: ParallelismConfig,
 ) -> MLP | SparseMoE:
     block = spec.fp8_block_size
+    tp_group = groups.tp
     if not params.has(f"{prefix}.experts.w13_weight"):
         return MLP(
             column(params, f"{prefix}.gate_up_proj.weight", block),
-            row(params, f"{prefix}.down_proj.weight", tp_group, block),
+            row(params, f"{prefix}.down_proj.weight", groups.dense_mlp, block),
         )
     gate: Router | GroupedTopkRouter
     shared_experts = None
@@ -189,10 +193,12 @@ def _build_mlp(
             norm_topk_prob=spec.norm_topk_prob,
             routed_scaling_factor=routing.routed_scaling_factor,
         )
-        shared_experts = MLP(
-            column(params, f"{prefix}.shared_experts.gate_up_proj.weight", block),
-            row(params, f"{prefix}.shared_experts.down_proj.weight", tp_group, block),
-        )
+        # Fused, the shared experts are the experts' last slots (no parameters of their own).
+        if params.has(f"{prefix}.shared_experts.gate_up_proj.weight"):
+            shared_experts = MLP(
+                column(params, f"{prefix}.shared_experts.gate_up_proj.weight", block),
+                row(params, f"{prefix}.shared_experts.down_proj.weight", tp_group, block),
+            )
     else:
         gate = Router(
             params.take(f"{prefix}.gate.weight"),
@@ -202,7 +208,9 @@ def _build_mlp(
     experts = Experts(
         params.take(f"{prefix}.experts.w13_weight"),
         params.take(f"{prefix}.experts.w2_weight"),
-        ep_rank=ep_rank,
+        ep_rank=parallelism.ep_rank,
+        ep_size=parallelism.ep_size,
+        num_fused_shared_experts=parallelism.num_fused_shared_experts,
         w13_weight_scale_inv=_scale(params, f"{prefix}.experts.w13_weight"),
         w2_weight_scale_inv=_scale(params, f"{prefix}.experts.w2_weight"),
         block=block,
@@ -216,8 +224,8 @@ class Decoder(torch.nn.Module):
     Args:
         params: the rank's parameters, taken in layout order.
         spec: the model's non-shape numbers.
-        tp_group: the replica's TP ranks.
-        ep_rank: this rank's expert-parallel rank.
+        groups: the groups each part splits over (`weightsync.engine.groups.model_groups`).
+        parallelism: this rank's parallelism (its EP rank and size, fused shared experts).
         compute_dtype: the dtype activations are computed in.
     """
 
@@ -226,16 +234,16 @@ class Decoder(torch.nn.Module):
         *,
         params: LayoutParameters,
         spec: ModelSpec,
-        tp_group: TensorParallelGroup,
-        ep_rank: int,
+        groups: ModelGroups,
+        parallelism: ParallelismConfig,
         compute_dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            params.take("model.embed_tokens.weight"), tp_group, compute_dtype
+            params.take("model.embed_tokens.weight"), groups.attention, compute_dtype
         )
         self.layers = torch.nn.ModuleList(
-            DecoderLayer.build(i, params=params, spec=spec, tp_group=tp_group, ep_rank=ep_rank)
+            DecoderLayer.build(i, params=params, spec=spec, groups=groups, parallelism=parallelism)
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(params.take("model.norm.weight"), spec.rms_norm_eps)

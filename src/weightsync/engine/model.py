@@ -12,10 +12,10 @@ import torch.distributed as dist
 from weightsync.engine.cache import KVCache, LatentCache
 from weightsync.engine.decoder import Decoder
 from weightsync.engine.embedding import ParallelLMHead, parallel_lm_head
+from weightsync.engine.groups import model_groups
 from weightsync.engine.mla import MLAttention
 from weightsync.engine.parameters import LayoutParameters
 from weightsync.engine.spec import ModelSpec
-from weightsync.engine.tp_group import TensorParallelGroup
 from weightsync.layout import rank_layout
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.loader import shard_state_dict
@@ -30,11 +30,6 @@ def _parallelism(parallelism: ParallelismConfig | Mapping[str, Any]) -> Parallel
     )
     if config.pp_size != 1:
         raise ValueError(f"the reference engine has no pipeline parallelism; got {config}")
-    if config.attn_tp_size != config.tp_size or config.attn_dp_size != 1:
-        raise ValueError(
-            "the reference engine runs attention over the whole TP group "
-            f"(attn_tp_size == tp_size, attn_dp_size == 1); got {config}"
-        )
     return config
 
 
@@ -47,16 +42,25 @@ class ReferenceModel(torch.nn.Module):
     table is what SGLang would publish. Their memory never moves after construction (loading
     copies into it), so it can be registered with a transport once.
 
+    DeepSeek-V3 / Kimi-K2 also run as SGLang serves them at scale: with fused shared experts
+    (``num_fused_shared_experts``: the experts' last slots, chosen for every token), with DP
+    attention (``attn_dp_size > 1``: attention and ``embed_tokens`` split over attention-DP
+    groups of ``attn_tp_size`` ranks, the MoE over the whole TP group; see
+    `weightsync.engine.groups`) and with ``moe_dense_tp_size == 1`` (dense MLPs whole on
+    every rank). The shapes of all of these come from the layout.
+
     Call protocol: every TP rank builds the model with the same config and its own
-    parallelism, loads weights (`load_checkpoint` or `load_hf_state_dict`, all ranks), then
-    all ranks run the same forward passes (`forward`, or ``generate``) in the same order; each
-    forward pass runs collectives over ``group``. Whoever writes the parameters' bytes by other
+    parallelism (with DP attention, every process of the default process group builds it at
+    the same point: it creates the attention-DP groups), loads weights (`load_checkpoint` or
+    `load_hf_state_dict`, all ranks), then all ranks run the same forward passes (`forward`,
+    or ``generate``) in the same order; each forward pass runs collectives over ``group``
+    (and its attention-DP subgroups). Whoever writes the parameters' bytes by other
     means (a sync, the weights checker) calls `post_load` before the next forward pass.
 
     Args:
         hf_config: a transformers config or a config.json dict.
         parallelism: this rank's `ParallelismConfig` (or a dict of its fields); no pipeline
-            parallelism, attention TP over the whole TP group.
+            parallelism.
         dtype: the parameters' dtype (a torch dtype or a name such as ``"bfloat16"``); a
             parameter the layout keeps in another dtype (DeepSeek's router bias, float32)
             keeps it.
@@ -94,16 +98,15 @@ class ReferenceModel(torch.nn.Module):
         self.compute_dtype = (
             compute_dtype if isinstance(compute_dtype, torch.dtype) else torch_dtype(compute_dtype)
         )
-        self.tp_group = TensorParallelGroup(
-            group, tp_size=self.parallelism.tp_size, tp_rank=self.parallelism.tp_rank
-        )
         self.layout = rank_layout(hf_config, self.parallelism, self.dtype)
+        self.groups = model_groups(group, self.parallelism)
+        self.tp_group = self.groups.tp
         params = LayoutParameters(self.layout, device=self.device)
         self.model = Decoder(
             params=params,
             spec=self.spec,
-            tp_group=self.tp_group,
-            ep_rank=self.parallelism.ep_rank,
+            groups=self.groups,
+            parallelism=self.parallelism,
             compute_dtype=self.compute_dtype,
         )
         # Tied embeddings have no lm_head parameter: the head reads embed_tokens' weight.
@@ -185,7 +188,7 @@ class ReferenceModel(torch.nn.Module):
         Raises:
             ValueError: bad shapes, positions beyond the cache, or no group at ``tp_size > 1``.
         """
-        self.tp_group.check_can_communicate()
+        self.groups.check_can_communicate()
         if input_ids.dim() != 1 or positions.shape != input_ids.shape or input_ids.numel() == 0:
             raise ValueError(
                 "input_ids and positions must be equal-length non-empty 1-D tensors, got "
@@ -196,9 +199,13 @@ class ReferenceModel(torch.nn.Module):
         return self.model(input_ids, positions, cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[num_tokens, vocab_size]`` of final hidden states, gathered over TP."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return parallel_lm_head(hidden, weight, self.tp_group, self.spec.vocab_size)
+        """Logits ``[num_tokens, vocab_size]`` of final hidden states, gathered over the LM
+        head's group (the embedding's when the embeddings are tied)."""
+        if self.lm_head is not None:
+            weight, group = self.lm_head.weight, self.groups.lm_head
+        else:
+            weight, group = self.model.embed_tokens.weight, self.groups.attention
+        return parallel_lm_head(hidden, weight, group, self.spec.vocab_size)
 
     @torch.no_grad()
     def load_hf_state_dict(self, hf_state_dict: Mapping[str, torch.Tensor]) -> None:

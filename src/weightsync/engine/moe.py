@@ -127,17 +127,26 @@ class GroupedTopkRouter(torch.nn.Module):
 class Experts(torch.nn.Module):
     """This rank's experts and, of each, its MoE-TP slice of the intermediate dim.
 
-    The rank holds experts ``[ep_rank * E_local, (ep_rank + 1) * E_local)``; of each, the
-    ``[gate; up]`` rows and ``down`` columns of its ``moe_tp_rank``. Its output is a partial
-    sum: the caller adds up all ranks' outputs.
+    The rank holds routed experts ``[ep_rank * E_local, (ep_rank + 1) * E_local)`` and, when
+    DeepSeek's shared experts are fused into them (SGLang's default for DeepSeek-V3 on
+    NVIDIA GPUs, ``--enforce-shared-experts-fusion``), the shared expert(s) as its last
+    ``num_fused_shared_experts`` slots, on every EP rank. Of each, the ``[gate; up]`` rows and
+    ``down`` columns of its ``moe_tp_rank``. Its output is a partial sum: the caller adds up
+    all ranks' outputs.
 
     Args:
-        w13_weight: ``[E_local, 2 * I / moe_tp_size, hidden]``.
-        w2_weight: ``[E_local, hidden, I / moe_tp_size]``.
-        ep_rank: which block of experts this rank holds.
+        w13_weight: ``[E_local + num_fused_shared_experts, 2 * I / moe_tp_size, hidden]``.
+        w2_weight: ``[E_local + num_fused_shared_experts, hidden, I / moe_tp_size]``.
+        ep_rank: which block of routed experts this rank holds.
+        ep_size: how many EP ranks share the routed experts (each also holds the fused shared
+            slots).
+        num_fused_shared_experts: shared experts held as the last slots (0: none fused).
         w13_weight_scale_inv: block-FP8 scales of ``w13_weight``, or ``None``.
         w2_weight_scale_inv: block-FP8 scales of ``w2_weight``, or ``None``.
         block: the FP8 block size (with the scales).
+
+    Raises:
+        ValueError: no routed expert slot is left beside the fused shared ones.
     """
 
     def __init__(
@@ -146,17 +155,72 @@ class Experts(torch.nn.Module):
         w2_weight: torch.nn.Parameter,
         *,
         ep_rank: int,
+        ep_size: int = 1,
+        num_fused_shared_experts: int = 0,
         w13_weight_scale_inv: torch.nn.Parameter | None = None,
         w2_weight_scale_inv: torch.nn.Parameter | None = None,
         block: int = 0,
     ) -> None:
         super().__init__()
+        num_local_routed = w13_weight.shape[0] - num_fused_shared_experts
+        if num_local_routed < 1:
+            raise ValueError(
+                f"w13_weight holds {w13_weight.shape[0]} expert slots, not more than "
+                f"num_fused_shared_experts={num_fused_shared_experts}"
+            )
         self.w13_weight = w13_weight
         self.w2_weight = w2_weight
         self.w13_weight_scale_inv = w13_weight_scale_inv
         self.w2_weight_scale_inv = w2_weight_scale_inv
         self.block = block
-        self.first_expert = ep_rank * w13_weight.shape[0]
+        self.num_local_routed = num_local_routed
+        self.num_routed_experts = num_local_routed * ep_size
+        self.first_expert = ep_rank * num_local_routed
+        self.ep_size = ep_size
+        self.num_fused_shared_experts = num_fused_shared_experts
+
+    def with_fused_shared(
+        self, weights: torch.Tensor, experts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the fused shared experts to every token's routing, as SGLang's top-k does.
+
+        Shared expert ``s`` is global expert ``num_routed_experts + s``, chosen for every
+        token. Its weight is 1 (the router's weights already carry
+        ``routed_scaling_factor``, which the shared output must not get; SGLang gives the
+        slot ``1 / routed_scaling_factor`` when it scales after the experts instead), over
+        ``ep_size``: every EP rank holds the slot and computes it for every token, and the
+        reduction over the ranks sums those copies (SGLang's
+        ``fused_shared_experts_scaling_factor``). A no-op without fused shared experts.
+
+        Args:
+            weights: ``[num_tokens, top_k]`` routing weights.
+            experts: ``[num_tokens, top_k]`` global routed expert ids.
+
+        Returns:
+            ``(weights, experts)``, ``[num_tokens, top_k + num_fused_shared_experts]``.
+        """
+        if not self.num_fused_shared_experts:
+            return weights, experts
+        num_tokens, count = experts.shape[0], self.num_fused_shared_experts
+        shared_ids = torch.arange(count, device=experts.device) + self.num_routed_experts
+        shared_weights = torch.full(
+            (num_tokens, count), 1.0 / self.ep_size, dtype=weights.dtype, device=weights.device
+        )
+        return (
+            torch.cat([weights, shared_weights], dim=1),
+            torch.cat([experts, shared_ids.expand(num_tokens, count)], dim=1),
+        )
+
+    def _local_slots(self, experts: torch.Tensor) -> torch.Tensor:
+        """Each global expert id's slot on this rank, or -1 where this rank does not hold it."""
+        local = experts - self.first_expert
+        local = local.masked_fill((local < 0) | (local >= self.num_local_routed), -1)
+        if self.num_fused_shared_experts:
+            shared = experts >= self.num_routed_experts
+            local = torch.where(
+                shared, experts - self.num_routed_experts + self.num_local_routed, local
+            )
+        return local
 
     def _expert(self, weight: torch.Tensor, scale: torch.Tensor | None, index: int, x):
         return weight_in(
@@ -166,9 +230,13 @@ class Experts(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        """This rank's share of the experts' weighted outputs, ``[num_tokens, hidden]``."""
+        """This rank's share of the experts' weighted outputs, ``[num_tokens, hidden]``.
+
+        ``experts`` are global ids (fused shared slots included, see `with_fused_shared`);
+        ids this rank does not hold contribute nothing here.
+        """
         out = torch.zeros_like(x)
-        local = experts - self.first_expert
+        local = self._local_slots(experts)
         for index in range(self.w13_weight.shape[0]):
             token_ids, slot = torch.where(local == index)
             if token_ids.numel() == 0:
@@ -190,7 +258,8 @@ class SparseMoE(torch.nn.Module):
         experts: this rank's experts.
         tp_group: all TP ranks of the replica (``ep_size * moe_tp_size`` of them).
         shared_experts: DeepSeek's shared experts, every token's dense MLP, split over the
-            whole TP group; ``None`` for models without.
+            whole TP group; ``None`` for models without and when they are fused into
+            ``experts``.
     """
 
     def __init__(
@@ -208,7 +277,7 @@ class SparseMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``, equal on every rank."""
-        weights, experts = self.gate(x)
+        weights, experts = self.experts.with_fused_shared(*self.gate(x))
         out = self.experts(x, weights, experts)
         if self.shared_experts is not None:
             # Both are partial sums over the TP ranks: one all-reduce serves them (SGLang's

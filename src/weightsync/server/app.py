@@ -199,7 +199,7 @@ def create_main_app(
         dependencies=authorized,
         responses=error_responses(400, 404),
     )
-    async def parallelism_config(rank: int) -> dict[str, int]:
+    async def parallelism_config(rank: int) -> dict[str, Any]:
         """The parallelism config dict of one rank."""
         return controller.info.parallelism_config(rank)
 

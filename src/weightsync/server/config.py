@@ -7,7 +7,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from weightsync.control.loops import event_loop_factory
+from weightsync.layout.config import model_dims
 from weightsync.layout.dtypes import ROLLOUT_DTYPE_CHOICES, canonical_dtype_name
+from weightsync.layout.parallelism import ParallelismConfig
+from weightsync.layout.shared_experts import sglang_fuses_shared_experts
 from weightsync.transport import TRANSPORTS
 from weightsync.transport.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
 
@@ -40,6 +43,20 @@ class ServeConfig:
             ``load_format="dummy"``).
         tp_size: tensor-parallel ranks (one process each).
         ep_size: expert-parallel size inside the TP group (MoE models).
+        attn_dp_size: attention data-parallel groups inside the TP group (SGLang's
+            ``--attn-dp-size``, or ``--dp-size N --enable-dp-attention``): attention and
+            ``embed_tokens`` split over the ``tp_size // attn_dp_size`` ranks of a group and
+            replicated across groups, the MoE over the whole TP group (DeepSeek-V3 family).
+        enable_dp_lm_head: an untied ``lm_head`` follows attention TP (SGLang's
+            ``--enable-dp-lm-head``; needs ``attn_dp_size > 1``, as SGLang does).
+        moe_dense_tp_size: SGLang's ``--moe-dense-tp-size``: None, 1 (dense MLP layers whole
+            on every rank) or ``tp_size``.
+        enforce_shared_experts_fusion: hold DeepSeek's shared expert as the experts' last slot
+            (SGLang's ``--enforce-shared-experts-fusion``); without it the replica fuses where
+            SGLang fuses by default (DeepSeek-V3/R1, 256 routed experts, one shared, ep 1,
+            on CUDA).
+        disable_shared_experts_fusion: never fuse them (SGLang's
+            ``--disable-shared-experts-fusion``).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL; rank r uses GPU ``base_gpu_id + r``).
         base_gpu_id: the GPU of TP rank 0, as the process numbers GPUs (after
             ``CUDA_VISIBLE_DEVICES``); ``cuda`` only.
@@ -100,6 +117,11 @@ class ServeConfig:
     model_path: str
     tp_size: int = 1
     ep_size: int = 1
+    attn_dp_size: int = 1
+    enable_dp_lm_head: bool = False
+    moe_dense_tp_size: int | None = None
+    enforce_shared_experts_fusion: bool = False
+    disable_shared_experts_fusion: bool = False
     device: str = "cpu"
     base_gpu_id: int = 0
     dtype: str | None = None
@@ -132,6 +154,7 @@ class ServeConfig:
         for name in (
             "tp_size",
             "ep_size",
+            "attn_dp_size",
             "num_threads",
             "max_body_bytes",
             "max_bootstrap_body_bytes",
@@ -142,6 +165,7 @@ class ServeConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
+        self._check_moe_layout()
         for name in ("port", "bootstrap_port"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= 65535:
@@ -205,6 +229,60 @@ class ServeConfig:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
+
+    def _check_moe_layout(self) -> None:
+        """Refuse the attention-DP, dense-TP and fusion settings SGLang refuses."""
+        if self.tp_size % self.attn_dp_size:
+            raise ValueError(
+                f"attn_dp_size={self.attn_dp_size} must divide tp_size={self.tp_size} "
+                "(attention-DP groups of equal size)"
+            )
+        for name in (
+            "enable_dp_lm_head",
+            "enforce_shared_experts_fusion",
+            "disable_shared_experts_fusion",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        if self.enable_dp_lm_head and self.attn_dp_size == 1:
+            raise ValueError(
+                "enable_dp_lm_head requires attention DP (attn_dp_size > 1), as SGLang does"
+            )
+        dense = self.moe_dense_tp_size
+        if dense is not None and (isinstance(dense, bool) or dense not in (1, self.tp_size)):
+            raise ValueError(
+                f"moe_dense_tp_size must be None, 1 or tp_size={self.tp_size} (as SGLang "
+                f"accepts), got {dense!r}"
+            )
+        if self.enforce_shared_experts_fusion and self.disable_shared_experts_fusion:
+            raise ValueError(
+                "enforce_shared_experts_fusion and disable_shared_experts_fusion exclude each other"
+            )
+
+    def parallelism(self, hf_config: dict[str, Any], tp_rank: int) -> ParallelismConfig:
+        """TP rank `tp_rank`'s parallelism config for a model of `hf_config`, as SGLang
+        derives it from the same arguments (fusing the shared experts where it would).
+
+        Raises:
+            ValueError: a bad rank or config.
+        """
+        fused = sglang_fuses_shared_experts(
+            hf_config,
+            ep_size=self.ep_size,
+            disable_shared_experts_fusion=self.disable_shared_experts_fusion,
+            enforce_shared_experts_fusion=self.enforce_shared_experts_fusion,
+            device=self.device,
+        )
+        return ParallelismConfig(
+            tp_size=self.tp_size,
+            tp_rank=tp_rank,
+            ep_size=self.ep_size,
+            attn_dp_size=self.attn_dp_size,
+            num_fused_shared_experts=model_dims(hf_config).n_shared_experts if fused else 0,
+            moe_dense_tp_size=self.moe_dense_tp_size,
+            enable_dp_lm_head=self.enable_dp_lm_head,
+        )
 
     @property
     def local_host(self) -> str:

@@ -73,11 +73,18 @@ class ReplicaInfo:
             "mooncake_protocol": config.mooncake_protocol,
             "api_key_required": config.api_key is not None,
             "version": __version__,
+            # SGLang 0.5.23's keys for its parallel layout, resolved as it resolves them:
+            # `--dp-size N --enable-dp-attention` is `attn_dp_size = N` in one model copy
+            # (`dp_size` 1), and `enable_dp_attention` reports `attn_dp_size > 1`.
+            "dp_size": 1,
+            "attn_dp_size": config.attn_dp_size,
+            "enable_dp_attention": config.attn_dp_size > 1,
+            "enable_dp_lm_head": config.enable_dp_lm_head,
+            "moe_dense_tp_size": config.moe_dense_tp_size,
+            "enforce_shared_experts_fusion": config.enforce_shared_experts_fusion,
+            "disable_shared_experts_fusion": config.disable_shared_experts_fusion,
             # SGLang's keys for what this server never does: clients read them to refuse
             # replicas that move their weights.
-            "dp_size": 1,
-            "enable_dp_attention": False,
-            "moe_dense_tp_size": None,
             "enable_memory_saver": False,
             "enable_weights_cpu_backup": False,
             "cpu_offload_gb": 0,
@@ -107,7 +114,7 @@ class ReplicaInfo:
             "delta_region": info.delta_region,
         }
 
-    def parallelism_config(self, rank: int) -> dict[str, int]:
+    def parallelism_config(self, rank: int) -> dict[str, Any]:
         """Rank `rank`'s parallelism config.
 
         Raises:

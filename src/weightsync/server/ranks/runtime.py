@@ -14,7 +14,6 @@ from weightsync.checkpoint import load_config_dict
 from weightsync.engine import ReferenceModel, generate
 from weightsync.engine.synthetic import synthetic_hf_tensors
 from weightsync.layout import model_dtype
-from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.receiver.agent import RolloutAgent, SessionState, UpdateSessionError
 from weightsync.receiver.loader import load_hf_tensors
 from weightsync.server.config import MIB, ServeConfig
@@ -167,12 +166,16 @@ class RankRuntime:
             group: the TP process group (``None`` at ``tp_size == 1``).
         """
         hf_config = load_config_dict(config.model_path)
-        parallelism = ParallelismConfig(
-            tp_size=config.tp_size, tp_rank=tp_rank, ep_size=config.ep_size
-        )
+        parallelism = config.parallelism(hf_config, tp_rank)
         device = f"cuda:{config.gpu_id(tp_rank)}" if config.device == "cuda" else "cpu"
         dtype = config.dtype or model_dtype(hf_config)
-        logger.info("building %s model (dtype %s) on %s", hf_config["model_type"], dtype, device)
+        logger.info(
+            "building %s model (dtype %s) on %s: %s",
+            hf_config["model_type"],
+            dtype,
+            device,
+            parallelism,
+        )
         model = ReferenceModel(hf_config, parallelism, dtype=dtype, device=device, group=group)
         if config.load_format == "dummy":
             # Seeded synthetic weights, tensor by tensor: the bytes a trainer generating with
