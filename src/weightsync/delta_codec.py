@@ -626,8 +626,9 @@ def checksum_tensor(param: torch.Tensor) -> torch.Tensor:
 
 
 def _device_checksum(words: torch.Tensor) -> torch.Tensor:
-    """`checksum_tensor` of int64 `words` on their device."""
-    return _device_checksums([words])[0]
+    """`checksum_tensor` of int64 `words` on their device, with torch's ops: for one tensor
+    the fused kernel's launch and tables cost more than they save (`checksums` batches)."""
+    return _torch_checksum(words)
 
 
 def _device_checksums(words: Sequence[torch.Tensor]) -> torch.Tensor:

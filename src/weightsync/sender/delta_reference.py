@@ -132,7 +132,9 @@ class DeltaReference:
                 "its last push did not record it, so no target can take a delta of it"
             )
         if ref.device.type != "cpu":
-            if delta_kernels.ready(ref.device) and delta_kernels.finds_changes(flat.dtype, dtype):
+            if delta_kernels.ready(ref.device) and delta_kernels.fuses(
+                flat.dtype, dtype, flat.numel()
+            ):
                 # One fused pass: the cast happens in the kernel, on the way from memory.
                 source = flat.to(device=ref.device).contiguous()
                 elements, new, old = delta_kernels.find_changes(source, ref, dtype)
