@@ -94,3 +94,15 @@ def test_a_tensor_without_a_reference_is_refused() -> None:
         reference.encode("bfloat16", "v", torch.zeros(8))
     with pytest.raises(ValueError, match="no delta reference of 'w'"):
         reference.encode("bfloat16", "w", torch.zeros(9))
+
+
+def test_the_fused_encode_runs_only_for_large_tensors_that_need_a_cast() -> None:
+    """Where the H200 measured the kernel slower (no cast, or small tensors), torch's ops
+    find the changes."""
+    from weightsync.delta_kernels import FUSED_CAST_ELEMENTS, fuses
+
+    big = FUSED_CAST_ELEMENTS
+    assert fuses(torch.float32, torch.bfloat16, big)
+    assert not fuses(torch.float32, torch.bfloat16, big - 1)
+    assert not fuses(torch.bfloat16, torch.bfloat16, big * 4)
+    assert not fuses(torch.bfloat16, torch.float8_e4m3fn, big)  # a cast it does not make
