@@ -31,6 +31,9 @@ TABLES_PATH = HERE / "deepseek_layouts.json"
 SGLANG_VERSION = "0.5.23"
 FP8_BLOCK = 128
 
+# tiny-deepseek's config as the stored tables were built from it, kept here rather than read
+# from `weightsync.testing.presets`: a change to the preset must not move the tables (this
+# module also runs in SGLang's venv, which need not import weightsync's testing helpers).
 _DEEPSEEK_V3: dict[str, Any] = {
     "model_type": "deepseek_v3",
     "architectures": ["DeepseekV3ForCausalLM"],
