@@ -425,7 +425,11 @@ def apply_and_check(
     since the base was read into an element no payload touches: the derived checksum then
     still says the base's value, and only a full pass (``check="full"``, or the next
     proof of the base) reads it. Without a `base`, or with ``check="full"``, every
-    parameter is read again after applying.
+    parameter is read again after applying. Where every parameter lies on one CUDA device
+    that runs the fused checksum (`weightsync.delta_kernels.ready`), ``"changes"`` reads
+    every byte too: there one launch over all of them costs less than deriving, and it sees
+    more (on an H200, 8.6 GB at 2 %: applying took 13.7 ms and one fused read 2.9 ms,
+    applying and deriving 27.8 ms). The result's ``check`` says which ran.
 
     Args:
         payloads: the payloads' bytes (uint8), in the order to apply them.
@@ -443,7 +447,7 @@ def apply_and_check(
         raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
     names = sorted(params)
     ordered = [params[name] for name in names]
-    derive = check == "changes" and base is not None
+    derive = check == "changes" and base is not None and not _reads_faster(params)
     changes: dict[int, list[torch.Tensor | int]] = {}
     ascending: dict[int, list[torch.Tensor | bool]] = {}
     written: set[int] = set()
@@ -479,6 +483,16 @@ def apply_and_check(
         check="changes" if derive else "full",
         recomputed=recomputed,
     )
+
+
+def _reads_faster(params: Mapping[str, torch.Tensor]) -> bool:
+    """Whether checksumming every parameter costs less than deriving the checksums: all of
+    them on one device that runs the fused checksum."""
+    devices = {p.device for p in params.values()}
+    if len(devices) != 1:
+        return False
+    (device,) = devices
+    return delta_kernels.ready(device)
 
 
 def _write_and_change(
