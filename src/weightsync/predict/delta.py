@@ -19,9 +19,11 @@ element (each part 8-byte aligned). `delta_prediction` prices that on a full pre
    on the same network (`simulate`).
 3. **Devices.** Each trainer GPU reads every tensor it sends and its reference (both in the
    rollout's dtype) to find the changes, then lays out each layout's payload; each rollout
-   GPU checksums its parameters (its base), applies its payloads and derives its checksums
-   after from the elements it wrote (the apply call's default ``check="changes"``, priced in
-   the apply), or with ``check="full"`` checksums every parameter again. Each step
+   GPU checksums its parameters (its base), applies its payloads and checksums every
+   parameter again (``check="full"``, the default: what a CUDA rank that runs the fused
+   checksum does for either check, a read being cheaper there than deriving), or derives
+   its checksums after from the elements it wrote (``check="changes"``: one checksum, the
+   derivation not priced). Each step
    takes bytes over a rate plus changed elements over a rate (`DeltaRates`, fitted from
    `bench/delta_kernels.py` on one H200 at two densities). The phases run one after
    another, as a delta sync runs them: the replicas' base checksums are read before the
@@ -489,7 +491,7 @@ def delta_prediction(
     *,
     density: DeltaDensity,
     rates: DeltaRates | None = None,
-    check: str = "changes",
+    check: str = "full",
 ) -> DeltaPrediction:
     """Price a delta sync on the cluster of `full` (the rules are in the module docstring).
 
@@ -499,8 +501,9 @@ def delta_prediction(
         hf_config: the model's config `full` was predicted from.
         density: the fraction of elements one step changes, per kind.
         rates: the GPUs' delta rates; default `DeltaRates.h200`.
-        check: how the replicas check after applying, as the apply call's ``check``:
-            ``"changes"`` (one full checksum per sync, the base's) or ``"full"`` (two).
+        check: how the replicas check after applying: ``"full"`` (two full checksums per
+            sync, what CUDA ranks with the fused checksum run) or ``"changes"`` (one, the
+            base's; deriving the checksums after is not priced).
 
     Raises:
         ValueError: a config that does not match the units of `full`, or an unknown
@@ -591,7 +594,7 @@ def predict_delta_sync(
     num_windows: int = DEFAULT_WINDOWS,
     density: DeltaDensity,
     rates: DeltaRates | None = None,
-    check: str = "changes",
+    check: str = "full",
 ) -> DeltaPrediction:
     """Predict the full sync (`predict_sync`, same arguments) and the delta sync beside it.
 
