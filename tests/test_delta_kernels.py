@@ -22,10 +22,15 @@ pytest.importorskip("triton")
 from weightsync import delta_kernels
 from weightsync.delta_codec import (
     CHECK_ROW_WORDS,
+    DeltaFormatError,
+    Section,
     _host_checksum,
+    _scatter_payload,
     _words,
+    apply_payload,
     as_bits,
     checksums,
+    encode_payload,
 )
 
 ON_GPU = torch.cuda.is_available()
@@ -151,3 +156,69 @@ def test_checksums_on_the_device_equal_the_host() -> None:
     }
     on_device = {name: p.to(DEVICE) for name, p in params.items()}
     assert checksums(on_device) == {name: _host_checksum(_words(p)) for name, p in params.items()}
+
+
+def _sections_and_params(seed: int):
+    """Parameters of three element sizes (several blocks, a partial last one) and a payload
+    of sparse and dense sections for them, built on the host."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [
+        as_bits(torch.randn(n, generator=generator).to(dtype))
+        for n, dtype in (
+            (200_000, torch.bfloat16),
+            (70_000, torch.float32),
+            (5_000, torch.float8_e4m3fn),
+            (3_000, torch.bfloat16),
+        )
+    ]
+    sections = []
+    for index, bits in enumerate(params[:3]):
+        elements = torch.nonzero(torch.rand(bits.numel(), generator=generator) < 0.03).flatten()
+        values = bits[elements] ^ 1
+        sections.append(Section(param_index=index, elements=elements, values=values))
+    sections.append(Section(param_index=3, elements=None, values=params[3][10:400] ^ 1, start=10))
+    return params, sections
+
+
+NO_LOADED_BOUNDS = pytest.mark.skipif(
+    not ON_GPU, reason="Triton's interpreter cannot bound a loop by a loaded value"
+)
+
+
+@NO_LOADED_BOUNDS
+def test_the_fused_scatter_applies_as_torch_does() -> None:
+    params, sections = _sections_and_params(seed=7)
+    payload = encode_payload(sections, "cpu")
+    expected = [p.clone() for p in params]
+    applied = apply_payload(payload, expected)  # torch's ops (the host path)
+    got = [p.clone().to(DEVICE) for p in params]
+    written, count = _scatter_payload(payload.to(DEVICE), got)
+    assert sorted(written) == list(applied.params) and count == applied.num_elements
+    for mine, theirs in zip(got, expected, strict=True):
+        assert torch.equal(mine.cpu(), theirs)
+
+
+def test_the_fused_scatter_refuses_a_block_past_its_parameter_and_writes_nothing() -> None:
+    params, sections = _sections_and_params(seed=8)
+    payload = encode_payload(sections, "cpu")
+    # The float32 parameter's last block starts at 65,536 of 70,000 elements: its last
+    # offset set to 0xFFFF reaches element 131,071.
+    section = sections[1]
+    count = section.values.numel()
+    head = payload[:64].view(torch.int64)
+    sections_at = int(head[4])
+    rows = payload[sections_at:].view(torch.int64)
+    row = next(
+        rows[i * 8 : i * 8 + 8].tolist()
+        for i in range(len(sections))
+        if int(rows[i * 8]) == section.param_index
+    )
+    offsets_at = row[4]
+    last = offsets_at + 2 * (count - 1)
+    payload[last : last + 2] = torch.tensor([0xFF, 0xFF], dtype=torch.uint8)
+    before = [p.clone() for p in params]
+    got = [p.clone().to(DEVICE) for p in params]
+    with pytest.raises(DeltaFormatError, match="reaches past the end"):
+        _scatter_payload(payload.to(DEVICE), got)
+    for mine, theirs in zip(got, before, strict=True):
+        assert torch.equal(mine.cpu(), theirs)

@@ -263,6 +263,9 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
     Raises:
         DeltaFormatError: a bad magic, version or size, or a section that does not fit.
     """
+    if _scatters(payload, params):
+        written, num_elements = _scatter_payload(payload, params)
+        return Applied(params=tuple(sorted(written)), num_elements=num_elements)
     writes = _read_payload(payload, params)
     for write in writes:
         _write(as_bits(params[write.index]), write)
@@ -272,11 +275,12 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
     )
 
 
-def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_Write]:
-    """`payload`'s sections as writes into `params`, every one checked; nothing written.
+def _payload_tables(payload: torch.Tensor) -> tuple[int, list[list[int]], torch.Tensor]:
+    """``(total bytes, section rows, block table on the host)`` of `payload`, its head and
+    tables checked (each section is checked against its parameter by `_check_section`).
 
     Raises:
-        DeltaFormatError: a bad magic, version or size, or a section that does not fit.
+        DeltaFormatError: a bad magic, version or size, or tables that do not fit.
     """
     if payload.dtype != torch.uint8 or payload.numel() < HEAD_WORDS * 8:
         raise DeltaFormatError(f"a delta payload is uint8 of at least {HEAD_WORDS * 8} bytes")
@@ -297,11 +301,22 @@ def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list
     tables = payload[sections_at:tables_end].cpu()
     sections = tables[: blocks_at - sections_at].view(torch.int64).view(-1, SECTION_WORDS)
     blocks = tables[blocks_at - sections_at :].view(torch.int64).view(-1, 2)
+    return total, sections.tolist(), blocks
+
+
+def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_Write]:
+    """`payload`'s sections as writes into `params`, every one checked; nothing written.
+
+    Raises:
+        DeltaFormatError: a bad magic, version or size, or a section that does not fit.
+    """
+    total, rows, blocks = _payload_tables(payload)
+    num_blocks = blocks.shape[0]
     writes: list[_Write] = []
     highest: list[torch.Tensor] = []
     # The block table goes to the payload's device once, not once per section.
     blocks_on_device = blocks.to(payload.device) if num_blocks else blocks
-    for row in sections.tolist():
+    for row in rows:
         index, kind, count, values_at, offsets_at, first, nblocks, start = row
         _check_section(row, blocks, params, total)
         param = as_bits(params[index])
@@ -323,6 +338,74 @@ def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list
     if highest and int(torch.stack(highest).max()) >= 0:
         raise DeltaFormatError("a sparse section reaches past the end of its parameter")
     return writes
+
+
+def _scatters(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
+    """Whether `payload` is applied by the fused scatter: it and every parameter on one
+    CUDA device that runs the kernels (`weightsync.delta_kernels.ready`)."""
+    device = payload.device
+    return delta_kernels.ready(device) and all(p.device == device for p in params)
+
+
+def _scatter_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[set[int], int]:
+    """Apply `payload` with the fused scatter (`weightsync.delta_kernels.scatter_blocks`):
+    every section checked, and every block that could reach past its parameter checked for
+    its largest offset (one host sync for all), before the first write. Returns the indices
+    of the parameters written and the elements written.
+
+    Raises:
+        DeltaFormatError: as `_read_payload` (nothing written).
+    """
+    total, rows, blocks = _payload_tables(payload)
+    device = payload.device
+    dense: list[tuple[int, int, torch.Tensor]] = []
+    tables: dict[int, list[torch.Tensor]] = {}
+    highest: list[torch.Tensor] = []
+    written: set[int] = set()
+    num_elements = 0
+    for row in rows:
+        index, kind, count, values_at, offsets_at, first, nblocks, start = row
+        _check_section(row, blocks, params, total)
+        bits = as_bits(params[index])
+        size = bits.element_size()
+        written.add(index)
+        num_elements += count
+        if kind == SectionKind.DENSE:
+            values = payload[values_at : values_at + count * size].view(bits.dtype)
+            dense.append((index, start, values))
+            continue
+        if not nblocks:
+            continue
+        starts, counts = blocks[first : first + nblocks, 0], blocks[first : first + nblocks, 1]
+        before = torch.cumsum(counts, 0) - counts
+        offsets = offsets_at + 2 * before
+        table = torch.stack(
+            [
+                torch.full_like(starts, bits.data_ptr()),
+                starts,
+                counts,
+                offsets,
+                values_at + size * before,
+            ]
+        )
+        tables.setdefault(size, []).append(table)
+        # A block whose 65,536 offsets could reach past the parameter: its largest offset.
+        for i in torch.nonzero(starts + BLOCK_ELEMENTS > bits.numel()).flatten().tolist():
+            at, n = int(offsets[i]), int(counts[i])
+            if n:
+                largest = (
+                    payload[at : at + 2 * n].view(torch.int16).to(torch.int64) & 0xFFFF
+                ).max()
+                highest.append(largest + int(starts[i]) - bits.numel())
+    if highest and int(torch.stack(highest).max()) >= 0:
+        raise DeltaFormatError("a sparse section reaches past the end of its parameter")
+    for index, start, values in dense:
+        bits = as_bits(params[index])
+        bits[start : start + values.numel()].copy_(values)
+    for size, parts in tables.items():
+        dest, starts, counts, offsets, values_at = torch.cat(parts, dim=1).to(device)
+        delta_kernels.scatter_blocks(payload, size, dest, starts, counts, offsets, values_at)
+    return written, num_elements
 
 
 def _write(bits: torch.Tensor, write: _Write) -> None:
@@ -454,6 +537,15 @@ def apply_and_check(
     num_elements = 0
     refused, error = None, None
     for index, payload in enumerate(payloads):
+        if not derive and _scatters(payload, ordered):
+            try:
+                wrote, count = _scatter_payload(payload, ordered)
+            except DeltaFormatError as exc:
+                refused, error = index, str(exc)
+                break
+            written.update(wrote)
+            num_elements += count
+            continue
         try:
             writes = _read_payload(payload, ordered)
         except DeltaFormatError as exc:

@@ -8,6 +8,9 @@
   kernel gathers the runs, placed by a prefix sum over the blocks' counts. Memory sees one
   read of the tensor and of the reference, and writes proportional to the changes, where
   torch's cast, ``!=``, ``nonzero`` and gathers read and write the whole tensor several times.
+- `scatter_blocks`: a payload's sparse sections written into their parameters, one program
+  per block of the payload's block table: its 16-bit offsets and values read once from the
+  payload and stored, where torch builds every element's int64 index first.
 - `checksum_words`: `weightsync.delta_codec`'s checksum of many parameters at once. The
   parameters' full rows of words are cut into tiles of rows (the tables built on the device);
   one program reads a tile once
@@ -56,7 +59,12 @@ def _kernels():
         from weightsync import delta_triton
     except ImportError:
         return None
-    return delta_triton.changes_kernel, delta_triton.gather_kernel, delta_triton.checksum_kernel
+    return (
+        delta_triton.changes_kernel,
+        delta_triton.gather_kernel,
+        delta_triton.checksum_kernel,
+        delta_triton.scatter_kernel,
+    )
 
 
 _FLOATS = {torch.float32, torch.float16, torch.bfloat16}
@@ -102,7 +110,7 @@ def find_changes(
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("find_changes needs Triton")
-    changes_kernel, gather_kernel, _ = kernels
+    changes_kernel, gather_kernel = kernels[0], kernels[1]
     import triton.language as tl
 
     cast = new.dtype != dtype
@@ -209,3 +217,37 @@ def _tiles(
     row0 = (torch.arange(total, device=device) - first_tile[owner]) * TILE_ROWS
     rows = torch.clamp(num_rows[owner] - row0, max=TILE_ROWS).to(torch.int32)
     return addrs[owner] + row0 * (CHECK_COLUMNS * 8), row0, rows, owner
+
+
+SCATTER_CHUNK = 1024
+"""Elements a `scatter_blocks` program writes at a time."""
+
+
+def scatter_blocks(
+    payload: torch.Tensor,
+    element_size: int,
+    dest: torch.Tensor,
+    start: torch.Tensor,
+    count: torch.Tensor,
+    offsets_at: torch.Tensor,
+    values_at: torch.Tensor,
+) -> None:
+    """Write blocks of sparse sections from `payload` (uint8, on the parameters' device):
+    block ``i`` writes ``count[i]`` values of `element_size` bytes, read at byte
+    ``values_at[i]`` of the payload, to elements ``start[i] + offset`` of the parameter at
+    address ``dest[i]``, the offsets read as 16-bit words at byte ``offsets_at[i]``. Every
+    table is an int64 tensor on the payload's device; the caller has checked every block.
+
+    Raises:
+        RuntimeError: Triton is not available (check `ready` first).
+    """
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("scatter_blocks needs Triton")
+    import triton.language as tl
+
+    bits = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
+    if dest.numel():
+        kernels[3][(dest.numel(),)](
+            dest, start, count, offsets_at, values_at, payload, BITS=bits, CHUNK=SCATTER_CHUNK
+        )

@@ -111,3 +111,30 @@ def checksum_kernel(
     column_weights = mix((cols.to(tl.int64) * 4 + 1).to(tl.uint64)).to(tl.int64, bitcast=True)
     total = tl.sum(weighted_rows, axis=0) + tl.sum(column_sums * column_weights, axis=0)
     tl.store(out_ptr + tile, total)
+
+
+@triton.jit
+def scatter_kernel(
+    dest_ptr,
+    start_ptr,
+    count_ptr,
+    offsets_at_ptr,
+    values_at_ptr,
+    payload_ptr,
+    BITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One block of a sparse section: its values written at its start plus its 16-bit
+    offsets, read from the payload's bytes."""
+    block = tl.program_id(0)
+    dest = tl.load(dest_ptr + block).to(tl.pointer_type(BITS))
+    start = tl.load(start_ptr + block)
+    count = tl.load(count_ptr + block)
+    offsets = (payload_ptr + tl.load(offsets_at_ptr + block)).to(tl.pointer_type(tl.int16))
+    values = (payload_ptr + tl.load(values_at_ptr + block)).to(tl.pointer_type(BITS))
+    for first in range(0, count, CHUNK):
+        lanes = first + tl.arange(0, CHUNK)
+        live = lanes < count
+        offset = tl.load(offsets + lanes, mask=live, other=0).to(tl.int64) & 0xFFFF
+        value = tl.load(values + lanes, mask=live)
+        tl.store(dest + start + offset, value, mask=live)
