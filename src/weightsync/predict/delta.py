@@ -201,11 +201,12 @@ class KernelTimes:
 
 # bench/delta_kernels.py --device cuda --gb 8.6 on one H200: 64 bf16 tensors of 128 MiB,
 # changed at 2 % and at 5 % (a same-device copy of the bytes: 4.3 ms). The checksum is the
-# begin's: every parameter in one fused launch (`weightsync.delta_kernels`).
+# begin's: every parameter in one fused launch; the apply is the fused scatter
+# (`weightsync.delta_kernels`).
 H200_MEASURED_BYTES = 64 * 128 * 2**20
 H200_KERNELS: Mapping[float, KernelTimes] = {
-    0.02: KernelTimes(encode_s=23.5e-3, layout_s=29.0e-3, apply_s=19.6e-3, checksum_s=2.75e-3),
-    0.05: KernelTimes(encode_s=27.7e-3, layout_s=37.8e-3, apply_s=23.3e-3, checksum_s=3.28e-3),
+    0.02: KernelTimes(encode_s=23.2e-3, layout_s=21.7e-3, apply_s=10.2e-3, checksum_s=2.82e-3),
+    0.05: KernelTimes(encode_s=27.2e-3, layout_s=31.7e-3, apply_s=10.8e-3, checksum_s=2.90e-3),
 }
 
 
