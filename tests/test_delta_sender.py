@@ -181,7 +181,6 @@ def _sync_rounds(
     pushers = [
         DeltaPush(
             transport,
-            capabilities=HOST_ONLY,
             rank=source,
             world_size=num_sources,
             timeout_s=5.0,
@@ -268,7 +267,6 @@ def _two_targets(region_bytes: tuple[int, int], fraction: float, *, fail: str | 
     )
     pusher = DeltaPush(
         transport,
-        capabilities=HOST_ONLY,
         rank=0,
         world_size=1,
         timeout_s=5.0,

@@ -42,7 +42,6 @@ from weightsync.sender.delta_reference import Changes, DeltaReference
 from weightsync.sender.pins import PushPins, pinned
 from weightsync.sender.writes import WriteQueue
 from weightsync.torch_dtypes import torch_dtype
-from weightsync.transport.base import TransportCapabilities
 
 if TYPE_CHECKING:
     from weightsync.transport import Transport
@@ -233,7 +232,6 @@ class DeltaPush:
 
     Args:
         transport: writes the payloads.
-        capabilities: the transport's, to place the payloads where it can read them.
         rank: this rank in the trainer group.
         world_size: ranks of the trainer group (the delta region's slots).
         timeout_s: how long a batch of writes may take.
@@ -244,14 +242,12 @@ class DeltaPush:
         self,
         transport: Transport,
         *,
-        capabilities: TransportCapabilities,
         rank: int,
         world_size: int,
         timeout_s: float,
         reference: DeltaReference,
     ) -> None:
         self._transport = transport
-        self._capabilities = capabilities
         self.rank = rank
         self.world_size = world_size
         self.reference = reference

@@ -357,7 +357,6 @@ class WeightSender:
         if self._delta is None:
             self._delta = DeltaPush(
                 self._transport,
-                capabilities=self._capabilities,
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout_s=self.config.timeout_s,
