@@ -90,6 +90,7 @@ def test_a_healthy_replica_passes_every_check_and_the_command_exits_0(replica):
     assert "weightsync" in checks[(replica.url, "protocol")]["detail"]
     assert "2 rank(s)" in checks[(replica.url, "bootstrap info")]["detail"]
     assert "read them back intact" in checks[(replica.url, "transfer")]["detail"]
+    assert "--delta-region-mb" in checks[(replica.url, "delta syncs")]["detail"]
     # Mooncake's own start-up lines stay out of the output.
     assert "transfer_metadata.cpp" not in proc.stderr
     assert "InitGoogleLogging" not in proc.stderr
@@ -161,6 +162,8 @@ def test_doctor_on_real_sglang(sglang_servers):
     assert rows["protocol"]["detail"].startswith("SGLang 0.5.23")
     assert "derived from /server_info" in rows["parallelism"]["detail"]
     assert "accept connections" in rows["transfer"]["detail"]
+    # Started without the delta loader: full bytes, and the flag that takes deltas.
+    assert "--custom-weight-loader" in rows["delta syncs"]["detail"]
     assert _rows(url, api_key="wrong")["auth"]["status"] == FAIL
 
 

@@ -21,10 +21,12 @@ from typing import Any
 
 from weightsync.control import RolloutClient
 from weightsync.control.protocol import (
+    WEIGHT_SYNC_DELTA,
     ReplicaProtocol,
     num_ranks,
     refusal,
 )
+from weightsync.delta_wire import LOAD_FORMAT, serves_delta_loader
 from weightsync.errors import RemoteReplicaError, WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.manager.replicas import parallelism_of
@@ -41,6 +43,7 @@ REPLICA_CHECKS = (
     "weights stay in place",
     "bootstrap info",
     "parallelism",
+    "delta syncs",
     "transfer",
 )
 # SGLang versions the control protocol was checked against (tests/conformance.py).
@@ -374,6 +377,7 @@ async def _replica_checks(url: str, options: DoctorOptions, transport: Any) -> l
             "parameter(s) each",
         )
         row(*await _parallelism_row(client, protocol, server_info, ranks))
+        row(*_delta_row(protocol, server_info, replies))
         rows.append(await _write_row(url, server_info, replies, transport, options))
     return rows
 
@@ -389,6 +393,26 @@ def _protocol_row(protocol: ReplicaProtocol) -> tuple[str, str, str, str]:
             "" if tested else f"use SGLang {TESTED_SGLANG[-1]}, or check with a test sync",
         )
     return ("protocol", OK, protocol.describe(), "")
+
+
+def _delta_row(
+    protocol: ReplicaProtocol, server_info: dict[str, Any], replies: Sequence[Any]
+) -> tuple[str, str, str, str]:
+    """Whether the replica takes delta syncs (``SyncConfig(delta=True)``), and how; a
+    replica that does not takes full bytes, which is no fault."""
+    if serves_delta_loader(server_info):
+        detail = f"through SGLang's custom weight loader {LOAD_FORMAT}"
+    elif protocol.serves(WEIGHT_SYNC_DELTA) and all(r.delta_region for r in replies):
+        sizes = sorted({r.delta_region[1] for r in replies})
+        detail = f"into delta regions of {'/'.join(str(n >> 20) for n in sizes)} MiB per rank"
+    elif protocol.kind == "sglang":
+        detail = (
+            f"no: full bytes every sync; start SGLang with --custom-weight-loader "
+            f"{LOAD_FORMAT} (weightsync installed beside it) for deltas"
+        )
+    else:
+        detail = "no: full bytes every sync; serve with --delta-region-mb N for deltas"
+    return ("delta syncs", OK, detail, "")
 
 
 async def _parallelism_row(
