@@ -182,10 +182,8 @@ class SGLangServer:
         return self.request("POST", path, body, **kwargs)
 
     def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError as err:
-            return f"(no log: {err})"
+        """The last `lines` lines of the server's log."""
+        return log_tail(self.log_path, lines)
 
     def wait_ready(self, timeout: float = 600.0) -> float:
         """Wait until the server serves and has finished its warmup; returns seconds since launch.
@@ -227,22 +225,7 @@ class SGLangServer:
         Returns the seconds it took. Safe to call more than once.
         """
         start = time.monotonic()
-        pgid = self.process.pid  # its own session: the group id is the launcher's pid
-        pids = {pgid, *_group_pids(pgid)}
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        deadline = start + timeout
-        while time.monotonic() < deadline:
-            self.process.poll()
-            if not _group_pids(pgid):
-                break
-            time.sleep(0.2)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        self.process.wait()
-        while _group_pids(pgid) and time.monotonic() < deadline + 10:
-            time.sleep(0.2)
+        pids = stop_group(self.process, timeout)
         # SGLang names some /dev/shm segments after the creating pid (sgl_shm_<kind>_<pid>_<rand>,
         # 24 MiB sparse for tp > 1) and leaves them when its processes are killed.
         for pid in pids:
@@ -255,6 +238,39 @@ class SGLangServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    """The last `lines` lines of the log at `path` (or why there is none)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as err:
+        return f"(no log: {err})"
+
+
+def stop_group(process: subprocess.Popen, timeout: float) -> set[int]:
+    """SIGTERM the process group `process` leads (it started a session of its own), SIGKILL
+    what is left after `timeout` s, and wait until the group is gone (10 s more at most).
+
+    Returns the pids the group held before the signal (for what they leave behind).
+    """
+    pgid = process.pid  # its own session: the group id is the launcher's pid
+    pids = {pgid, *_group_pids(pgid)}
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process.poll()
+        if not _group_pids(pgid):
+            break
+        time.sleep(0.2)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    process.wait()
+    while _group_pids(pgid) and time.monotonic() < deadline + 10:
+        time.sleep(0.2)
+    return pids
 
 
 def _group_pids(pgid: int) -> list[int]:

@@ -31,7 +31,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ ROOT = HERE.parents[1]
 if str(HERE.parent) not in sys.path:  # tests/, for sglang_cpu when run as a script
     sys.path.insert(0, str(HERE.parent))
 
-from sglang_cpu.launch import Reply, free_port, threads_bind  # noqa: E402
+from sglang_cpu.launch import Reply, free_port, log_tail, stop_group, threads_bind  # noqa: E402
 
 SETUP_SCRIPT = ROOT / "scripts" / "setup-vllm"
 SRC_DIR = ROOT / "src"
@@ -200,10 +199,7 @@ class VLLMServer:
 
     def log_tail(self, lines: int = 60) -> str:
         """The last `lines` lines of the server's log."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError as err:
-            return f"(no log: {err})"
+        return log_tail(self.log_path, lines)
 
     def wait_ready(self, timeout: float = 600.0) -> float:
         """Wait until the server answers GET /health with 200; returns seconds since launch.
@@ -243,21 +239,7 @@ class VLLMServer:
         Returns the seconds it took. Safe to call more than once.
         """
         start = time.monotonic()
-        pgid = self.process.pid  # its own session: the group id is the launcher's pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        deadline = start + timeout
-        while time.monotonic() < deadline:
-            self.process.poll()
-            if not _group_pids(pgid):
-                break
-            time.sleep(0.2)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        self.process.wait()
-        while _group_pids(pgid) and time.monotonic() < deadline + 10:
-            time.sleep(0.2)
+        stop_group(self.process, timeout)
         # Stopped by a signal, vLLM leaves its rendezvous file (TMPDIR/vllm_dist_<id>) and,
         # with tp > 1, the /dev/shm segments of its CPU communicator, named after that file.
         for store in (self.scratch / "tmp").glob("vllm_dist_*"):
@@ -271,19 +253,6 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _group_pids(pgid: int) -> list[int]:
-    """The processes of the group that are not zombies."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            pids.append(int(stat.parent.name))
-    return pids
 
 
 def start_vllm(
