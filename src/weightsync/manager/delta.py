@@ -347,7 +347,8 @@ class DeltaSyncs:
                         "full write cannot be verified"
                     )
                     continue
-                differs = _first_difference(_laid_out(by_replica[url], result.laid_out), reply)
+                written = replica_checksums(by_replica[url], result.laid_out)[url]
+                differs = _first_difference(written, reply)
                 if differs is not None:
                     failed[url] = (
                         f"its weights after the full write are not what the trainers wrote "
@@ -387,12 +388,18 @@ class DeltaSyncs:
         self._bases[url] = base
 
 
-def _laid_out(
-    targets: Sequence[TargetRank], laid_out: Mapping[str, Mapping[str, int]]
-) -> dict[int, dict[str, int]]:
-    """Per rank of `targets`, the checksum of every parameter the trainers wrote there, as
-    they wrote it (the parameters they do not write are the engine's own)."""
-    return {t.rank: dict(laid_out.get(t.session_id, {})) for t in targets}
+def replica_checksums(
+    targets: Sequence[TargetRank], sums: Mapping[str, Mapping[str, int]]
+) -> dict[str, dict[int, dict[str, int]]]:
+    """Per replica and rank of `targets`, the checksum of every parameter the trainers write
+    there, from `sums` (per target session id, added up over the trainer ranks,
+    `weightsync.manager.update.add_checksums`). A parameter no trainer rank writes is the
+    engine's own (FP8 KV scales, `weightsync.plan.engine_owned`): no delta touches it, and
+    it is not part of a base."""
+    out: dict[str, dict[int, dict[str, int]]] = {}
+    for target in targets:
+        out.setdefault(target.replica, {})[target.rank] = dict(sums.get(target.session_id, {}))
+    return out
 
 
 def _first_difference(kept: RankChecksums, now: RankChecksums) -> str | None:

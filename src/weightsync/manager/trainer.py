@@ -30,17 +30,17 @@ from weightsync.manager.collective import (
     SyncFailed,
 )
 from weightsync.manager.config import SyncConfig
-from weightsync.manager.delta import DeltaBase, RankChecksums
+from weightsync.manager.delta import DeltaBase, replica_checksums
 from weightsync.manager.manager import SyncManager
 from weightsync.manager.report import SyncReport
-from weightsync.manager.update import Landing, OpenUpdate, PushResult
+from weightsync.manager.update import Landing, OpenUpdate, PushResult, add_checksums
 from weightsync.plan import (
     SourceHolding,
     SourcePlan,
     TargetRank,
     build_plan,
 )
-from weightsync.sender import CheckedPush, WeightSender, wrap_int64
+from weightsync.sender import CheckedPush, WeightSender
 from weightsync.sender.base_checksums import LaidOutChecksums, TappedExport
 from weightsync.transport import Transport, open_transport
 
@@ -342,7 +342,8 @@ class TrainerSync:
             failed = [share.error for share in shares if share.error is not None]
             if failed:
                 raise failed[0]
-            for url, checksums in _replica_checksums(targets, shares).items():
+            sums = add_checksums([share.checksums or {} for share in shares])
+            for url, checksums in replica_checksums(targets, sums).items():
                 # Kept where the manager keeps every replica's base: `choose` proves it.
                 manager.adopt_delta_base(
                     url, DeltaBase(token=self._delta_pushes, checksums=checksums)
@@ -807,24 +808,3 @@ class _BaseShare:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _BaseAdopted:
     """The driver adopted the base: `TrainerSync.adopt_base` returns on every rank."""
-
-
-def _replica_checksums(
-    targets: Sequence[TargetRank], shares: Sequence[_BaseShare]
-) -> dict[str, RankChecksums]:
-    """Per replica and rank, the checksum of every parameter the trainers write, added up
-    over the trainer ranks' shares. A parameter no trainer rank writes is the engine's own
-    (FP8 KV scales, `weightsync.plan.engine_owned`): no delta touches it, and it is not
-    part of the base."""
-    out: dict[str, dict[int, dict[str, int]]] = {}
-    by_session = {}
-    for target in targets:
-        out.setdefault(target.replica, {})[target.rank] = {}
-        by_session[target.session_id] = target
-    for share in shares:
-        for session, sums in (share.checksums or {}).items():
-            target = by_session[session]
-            rank = out[target.replica][target.rank]
-            for name, value in sums.items():
-                rank[name] = wrap_int64(rank.get(name, 0) + value)
-    return out

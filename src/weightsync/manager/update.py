@@ -137,7 +137,7 @@ class PushResult:
             per_source=dict(stats),
             digests=digests,
             deltas=deltas,
-            laid_out=_added(laid_out),
+            laid_out=add_checksums(laid_out),
         )
 
     @property
@@ -240,7 +240,9 @@ def stay_paused(replicas: Sequence[str]) -> str:
     )
 
 
-def _added(shares: Sequence[Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, int]]:
+def add_checksums(
+    shares: Sequence[Mapping[str, Mapping[str, int]]],
+) -> dict[str, dict[str, int]]:
     """Per session id and parameter, the checksums of the sources' shares added up (a
     checksum is linear in the bytes)."""
     out: dict[str, dict[str, int]] = {}
