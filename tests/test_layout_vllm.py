@@ -72,7 +72,10 @@ def test_cpu_post_processing_moves_linear_weights(case_name: str) -> None:
     which parameters a one-sided write into that memory would reach: the dense linear weights
     (and MoE routers) become empty parameters (repacked into oneDNN handles); the experts get
     new memory holding other bytes, the same shape or padded (repacked for the CPU MoE kernel);
-    embeddings, lm_head, norms and biases keep their memory and bytes, and are read there."""
+    embeddings, lm_head, norms and biases keep their memory and bytes. (Keeping them is not
+    the same as being read there: vLLM's CPU processing of the embedding layers also derives
+    a oneDNN copy of ``lm_head`` that the logits come from, which is why weightsync's vLLM
+    extension processes those layers again at every session end.)"""
     for rank, table in enumerate(_stored()["cases"][case_name]["ranks"]):
         loaded = {row[0]: row for row in table["loaded"]}
         for name, shape, digest, same_storage in table["after_processing"]:
