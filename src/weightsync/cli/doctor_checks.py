@@ -26,6 +26,7 @@ from weightsync.control.protocol import (
     num_ranks,
     refusal,
 )
+from weightsync.control.vllm import VLLMClient, is_vllm_server_info
 from weightsync.delta_wire import LOAD_FORMAT, serves_delta_loader
 from weightsync.errors import RemoteReplicaError, WeightSyncError
 from weightsync.layout.parallelism import ParallelismConfig
@@ -48,6 +49,7 @@ REPLICA_CHECKS = (
 )
 # SGLang versions the control protocol was checked against (tests/conformance.py).
 TESTED_SGLANG = ("0.5.23",)
+TESTED_VLLM = ("0.32.0",)
 # Below this, registering a large model's memory for RDMA fails (the NIC pins it).
 _MEMLOCK_FLOOR_BYTES = 1 << 30
 _MOONCAKE_DISTRIBUTIONS = (
@@ -306,9 +308,15 @@ async def _replica_checks(url: str, options: DoctorOptions, transport: Any) -> l
     def row(name: str, status: str, detail: str, fix: str = "") -> None:
         rows.append(CheckRow(subject=url, name=name, status=status, detail=detail, fix=fix))
 
-    async with RolloutClient(url, api_key=options.api_key, timeout_s=options.timeout_s) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client = RolloutClient(url, api_key=options.api_key, timeout_s=options.timeout_s)
+        stack.push_async_callback(client.aclose)
         try:
             server_info = await client.get_server_info()
+            if is_vllm_server_info(server_info):  # vLLM: its own routes, and its workers'
+                client = VLLMClient.like(client)
+                stack.push_async_callback(client.aclose)
+                server_info = await client.get_server_info()
         except RemoteReplicaError as exc:
             if exc.status_code is None:
                 row(
@@ -328,6 +336,14 @@ async def _replica_checks(url: str, options: DoctorOptions, transport: Any) -> l
                     "the replica refused "
                     + ("the API key" if options.api_key else "a request without an API key"),
                     "pass the key the replica was started with: --api-key or $WEIGHTSYNC_API_KEY",
+                )
+            elif exc.status_code == 404:
+                row(
+                    "protocol",
+                    FAIL,
+                    f"/server_info failed: {exc}",
+                    "a vLLM replica serves it only with VLLM_SERVER_DEV_MODE=1 set; else check "
+                    "--replica and the replica's log",
                 )
             else:
                 row("protocol", FAIL, f"/server_info failed: {exc}", "check the replica's log")
@@ -392,6 +408,15 @@ def _protocol_row(protocol: ReplicaProtocol) -> tuple[str, str, str, str]:
             + ("" if tested else f"; checked against SGLang {', '.join(TESTED_SGLANG)}"),
             "" if tested else f"use SGLang {TESTED_SGLANG[-1]}, or check with a test sync",
         )
+    if protocol.kind == "vllm":
+        tested = protocol.version in TESTED_VLLM
+        return (
+            "protocol",
+            OK if tested else WARN,
+            protocol.describe()
+            + ("" if tested else f"; checked against vLLM {', '.join(TESTED_VLLM)}"),
+            "" if tested else f"use vLLM {TESTED_VLLM[-1]}, or check with a test sync",
+        )
     return ("protocol", OK, protocol.describe(), "")
 
 
@@ -405,6 +430,8 @@ def _delta_row(
     elif protocol.serves(WEIGHT_SYNC_DELTA) and all(r.delta_region for r in replies):
         sizes = sorted({r.delta_region[1] for r in replies})
         detail = f"into delta regions of {'/'.join(str(n >> 20) for n in sizes)} MiB per rank"
+    elif protocol.kind == "vllm":
+        detail = "no: full bytes every sync (the vLLM worker extension takes full syncs)"
     elif protocol.kind == "sglang":
         detail = (
             f"no: full bytes every sync; start SGLang with --custom-weight-loader "

@@ -53,6 +53,7 @@ class AsyncHttpClient:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s
+        self._api_key = api_key
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # A session belongs to the event loop it was made on, and a client may be made
         # outside any loop: the session is made by the first call, on that call's loop.

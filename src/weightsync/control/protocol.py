@@ -1,5 +1,6 @@
 """What a replica serves, read from its ``/server_info``: SGLang as released, SGLang with the
-Miles extensions, or weightsync's reference server.
+Miles extensions, weightsync's reference server, or vLLM with weightsync's worker extension
+(whose ``/server_info`` `weightsync.control.vllm.VLLMClient` puts in SGLang's shape).
 
 SGLang 0.5.23 serves no ``/parallelism_config`` (a rank's layout is derived here from its
 server arguments, as SGLang derives it) and no ``/get_weight_version`` (the version is in
@@ -61,10 +62,12 @@ class ReplicaProtocol:
     """What one replica serves.
 
     Attributes:
-        kind: ``"weightsync"`` (the reference server) or ``"sglang"`` (SGLang, with or
-            without the Miles extensions).
+        kind: ``"weightsync"`` (the reference server), ``"sglang"`` (SGLang, with or
+            without the Miles extensions) or ``"vllm"`` (vLLM with weightsync's worker
+            extension, driven by `weightsync.control.vllm.VLLMClient`).
         version: the server's version string.
-        capabilities: the routes beyond SGLang 0.5.23 it advertises.
+        capabilities: the routes beyond SGLang 0.5.23 it advertises (for vLLM: what its
+            worker extension serves).
     """
 
     kind: str
@@ -76,6 +79,8 @@ class ReplicaProtocol:
         """Read `server_info` (``GET /server_info``)."""
         advertised = server_info.get("weightsync")
         version = str(server_info.get("version", "unknown"))
+        if server_info.get("engine") == "vllm":
+            return cls(kind="vllm", version=version, capabilities=_vllm_capabilities(server_info))
         if isinstance(advertised, Mapping):
             return cls(
                 kind="weightsync",
@@ -92,7 +97,7 @@ class ReplicaProtocol:
         """Whether ``end_weight_update`` runs the engine's post-load processing: what one-sided
         writes need for derived state (MLA's ``w_kc`` / ``w_vc``) to follow the weights.
         The reference server says so (`POST_LOAD_AT_UPDATE_END`); SGLang from 0.5.23 does."""
-        if self.kind == "weightsync":
+        if self.kind in ("weightsync", "vllm"):
             return self.serves(POST_LOAD_AT_UPDATE_END)
         numbers = []
         for part in self.version.split(".")[:3]:
@@ -103,10 +108,68 @@ class ReplicaProtocol:
         return tuple(numbers) >= _SGLANG_POST_LOAD
 
     def describe(self) -> str:
-        """``"SGLang 0.5.23"`` or ``"weightsync 0.1.0 (parallelism_config, ...)"``."""
-        name = "SGLang" if self.kind == "sglang" else "weightsync"
+        """``"SGLang 0.5.23"``, ``"vLLM 0.32.0 (...)"`` or ``"weightsync 0.1.0
+        (parallelism_config, ...)"``."""
+        name = {"sglang": "SGLang", "vllm": "vLLM"}.get(self.kind, "weightsync")
         extras = f" ({', '.join(sorted(self.capabilities))})" if self.capabilities else ""
         return f"{name} {self.version}{extras}"
+
+
+def _vllm_capabilities(server_info: Mapping[str, Any]) -> frozenset[str]:
+    """What weightsync's worker extension serves inside a vLLM replica: each rank's
+    parallelism, digests checked at the end of a session, and vLLM's own post-load
+    processing run there over what arrived; delta syncs where every rank has a delta region.
+    Nothing without the extension."""
+    extension = server_info.get("weightsync_extension")
+    ranks = extension.get("ranks") if isinstance(extension, Mapping) else None
+    if not ranks:
+        return frozenset()
+    served = {PARALLELISM_CONFIG, WEIGHT_UPDATE_DIGEST, POST_LOAD_AT_UPDATE_END}
+    if all(isinstance(r, Mapping) and r.get("delta_region") for r in ranks):
+        served.add(WEIGHT_SYNC_DELTA)
+    return frozenset(served)
+
+
+def _vllm_refusal(server_info: Mapping[str, Any]) -> str | None:
+    """Why a vLLM replica cannot take one-sided writes, naming what to change: no worker
+    extension (or one that refused to start), a setting that moves or frees the weights, or
+    a layout weightsync does not write into vLLM."""
+    if server_info.get("enable_sleep_mode"):
+        return (
+            "enable_sleep_mode=True: vLLM's sleep frees and re-allocates the weight memory "
+            "trainers write into; restart without --enable-sleep-mode"
+        )
+    for key, flag in (
+        ("cpu_offload_gb", "--cpu-offload-gb 0"),
+        ("offload_group_size", "--offload-group-size 0"),
+    ):
+        value = server_info.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return (
+                f"{key}={value}: vLLM's weight offloading moves weights between host and "
+                f"device, away from the registered memory; restart with {flag}"
+            )
+    for key, flag, what in (
+        ("pp_size", "--pipeline-parallel-size 1", "pipeline-parallel vLLM replicas are"),
+        ("dp_size", "--data-parallel-size 1 (one replica per copy)", "vLLM data parallelism is"),
+    ):
+        if _size(server_info, key) != 1:
+            return f"{key}={server_info.get(key)}: {what} not written; restart with {flag}"
+    quantization = server_info.get("quantization")
+    if quantization not in (None, "", "none"):
+        return (
+            f"quantization={quantization!r}: quantised vLLM replicas are not written yet; "
+            "serve the unquantised checkpoint"
+        )
+    extension = server_info.get("weightsync_extension")
+    error = extension.get("error") if isinstance(extension, Mapping) else None
+    if error or not isinstance(extension, Mapping) or not extension.get("ranks"):
+        return (
+            "weightsync's worker extension did not publish the ranks of this vLLM (start it with "
+            "--worker-extension-cls weightsync.integrations.vllm.WorkerExtension and "
+            f"VLLM_SERVER_DEV_MODE=1): {error or 'no ranks published'}"
+        )
+    return None
 
 
 def num_ranks(server_info: Mapping[str, Any]) -> int:
@@ -311,6 +374,11 @@ def refusal(server_info: Mapping[str, Any]) -> str | None:
     has), and layouts weightsync does not write (pipeline parallelism, attention context
     parallelism, MoE data parallelism). Attention DP, ``--moe-dense-tp-size`` and
     ``--enable-dp-lm-head`` are written (`derive_parallelism`)."""
+    if server_info.get("engine") == "vllm":
+        try:
+            return _vllm_refusal(server_info)
+        except ValueError as exc:
+            return str(exc)
     for key, is_on, advice in _UNSAFE_FLAGS:
         if is_on(server_info.get(key)):
             return f"{key}={server_info.get(key)!r}: {advice}"

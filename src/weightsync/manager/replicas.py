@@ -29,6 +29,7 @@ from weightsync.control.protocol import (
     served_dtype,
 )
 from weightsync.control.quantization import served_quantization
+from weightsync.control.vllm import VLLMClient, is_vllm_server_info
 from weightsync.errors import RemoteReplicaError
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.manager.update import Sessions
@@ -147,6 +148,27 @@ async def replica_targets(
     )
 
 
+def replica_instance(server_info: dict[str, Any]) -> str | None:
+    """The process a replica is, where its ``/server_info`` says (the reference server's
+    ``weightsync.instance``, vLLM's workers' through the extension), else None."""
+    for key in ("weightsync", "weightsync_extension"):
+        section = server_info.get(key)
+        if isinstance(section, dict) and isinstance(section.get("instance"), str):
+            return section["instance"]
+    return None
+
+
+def _unreachable_hint(failure: BaseException) -> str:
+    """`failure`, and for a 404 on ``/server_info`` what a vLLM replica needs to serve it."""
+    if (
+        isinstance(failure, RemoteReplicaError)
+        and failure.status_code == 404
+        and failure.route.startswith("/server_info")
+    ):
+        return f"{failure} (a vLLM replica serves /server_info only with VLLM_SERVER_DEV_MODE=1)"
+    return str(failure)
+
+
 class ReplicaSet:
     """The managed replicas and what is known of each; keyed by base URL.
 
@@ -232,12 +254,21 @@ class ReplicaSet:
             self.call_all(replicas, "get_server_info", timeout_s=timeout),
             self.call_all(replicas, "get_model_info", timeout_s=timeout),
         )
+        vllm = [u for u in replicas if isinstance(infos[u], dict) and is_vllm_server_info(infos[u])]
+        if vllm:  # vLLM speaks other routes: ask again through its own client
+            await asyncio.gather(*(self._use_vllm_client(url) for url in vllm))
+            again, models_again = await asyncio.gather(
+                self.call_all(vllm, "get_server_info", timeout_s=timeout),
+                self.call_all(vllm, "get_model_info", timeout_s=timeout),
+            )
+            infos.update(again)
+            models.update(models_again)
         learned: dict[str, dict[str, Any]] = {}
         for url in replicas:
             info, model = infos[url], models[url]
             failure = next((r for r in (info, model) if isinstance(r, BaseException)), None)
             if failure is not None:
-                dropped[url] = f"not reachable: {failure}"
+                dropped[url] = f"not reachable: {_unreachable_hint(failure)}"
                 continue
             reason = refusal(info)
             if reason is not None:
@@ -246,11 +277,18 @@ class ReplicaSet:
             # New, or failed last time (it may have restarted): fetch its ranks again.
             self.ranks.pop(url, None)
             self.learn(url, info)
-            instance = (info.get("weightsync") or {}).get("instance")
+            instance = replica_instance(info)
             if isinstance(instance, str):
                 self.instances[url] = instance
             learned[url] = model
         return learned
+
+    async def _use_vllm_client(self, url: str) -> None:
+        """Talk to `url` through a `VLLMClient` from now on (it is a vLLM replica)."""
+        client = self.clients[url]
+        if not isinstance(client, VLLMClient):
+            self.clients[url] = VLLMClient.like(client)
+            await client.aclose()
 
     def learn(self, url: str, server_info: dict[str, Any]) -> None:
         """Keep what replica `url` serves, from its ``/server_info``."""
