@@ -3,9 +3,10 @@
 one-sidedly over real Mooncake (TCP on loopback) from this test process into the addresses the
 workers publish.
 
-One tp1 server serves the module's tp1 tests in order (init, a verified sync of its own
-checkpoint, a sync of a second checkpoint that generation follows, a wrong digest); one tp2
-server runs one sync on both ranks. The refusals are checked without a server, on the
+The session's tp1 server (`vllm_cpu.fixtures`, shared with other modules) serves the
+module's tp1 tests in order (init, a verified sync of its own checkpoint, a sync of a second
+checkpoint that generation follows, a wrong digest, a delta); the session's tp2 server runs
+one sync on both ranks. The refusals are checked without a server, on the
 extension's methods with a stand-in worker.
 """
 
@@ -22,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_cpu.fixtures import TINY_HEAD_DIM, vllm_checkpoint, vllm_venv_or_skip
-from vllm_cpu.launch import VLLMServer, start_vllm
+from vllm_cpu.fixtures import DELTA_REGION_MB, TINY_HEAD_DIM
+from vllm_cpu.launch import VLLMServer
 from weightsync.integrations.vllm import WorkerExtension
 from weightsync.layout import rank_layout
 from weightsync.receiver import shard_state_dict
@@ -31,12 +32,10 @@ from weightsync.receiver.digest import ParameterDigests
 from weightsync.testing.reference import greedy_tokens
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
-__all__ = ["vllm_checkpoint"]  # a fixture, used by name
-
 EXTENSION = "weightsync.integrations.vllm.WorkerExtension"
 PROMPTS = ((1, 2, 3, 4), (100, 200, 300, 400, 500))
 NEW_TOKENS = 8
-DELTA_REGION_BYTES = 8 << 20
+DELTA_REGION_BYTES = DELTA_REGION_MB << 20
 # What vLLM's CPU post-processing repacks into oneDNN handles (tests/test_layout_vllm.py).
 _REPACKED = re.compile(r"\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.weight$")
 
@@ -136,28 +135,10 @@ def writer() -> Iterator[MooncakeTransport]:
         transport.close()
 
 
-def _start(tp: int, checkpoint: Path, log: Path) -> VLLMServer:
-    venv = vllm_venv_or_skip()
-    return start_vllm(
-        venv,
-        checkpoint,
-        tp=tp,
-        dtype="float32",
-        log_path=log,
-        worker_extension_cls=EXTENSION,  # imported from the checkout's src/ (PYTHONPATH)
-        timeout=600.0,
-    )
-
-
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory) -> Iterator[VLLMServer]:
-    """A tp1 vLLM serving `vllm_checkpoint` with the extension in its worker."""
-    checkpoint = request.getfixturevalue("vllm_checkpoint")
-    srv = _start(1, checkpoint, tmp_path_factory.mktemp("vllm-ext-logs") / "vllm-tp1.log")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(vllm_tp1) -> VLLMServer:
+    """The session's tp1 vLLM with the extension in its worker (`vllm_cpu.fixtures`)."""
+    return vllm_tp1
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +199,9 @@ def test_sync_of_the_served_checkpoint_verifies(server, init_reply, writer, mode
     """Snapshot, scramble every parameter (reset_tensors), write the checkpoint's own shards
     one-sidedly inside a session: the end verifies the digests, and the checker finds every
     parameter as snapshotted."""
+    # The server is the session's: first make it hold the checkpoint, whatever it held.
+    (end,) = sync(server, writer, [init_reply], rank_shards(models["first"], 1), version="0")
+    assert end["success"], end
     (snap,) = rpc(server, "weightsync_checker", {"action": "snapshot"})
     assert snap["success"], snap
     (reset,) = rpc(server, "weightsync_checker", {"action": "reset_tensors"})
@@ -322,26 +306,23 @@ def test_a_delta_sync_applies_verifies_and_generation_follows(
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_tp2_sync_writes_both_ranks(vllm_checkpoint, writer, models, tmp_path) -> None:
+def test_tp2_sync_writes_both_ranks(vllm_tp2, writer, models) -> None:
     """Two tensor-parallel workers each publish their rank's layout; writing both ranks'
     shards of the second checkpoint verifies on both and generation follows it."""
-    server = _start(2, vllm_checkpoint, tmp_path / "vllm-tp2.log")
-    try:
-        infos = rpc(server, "weightsync_init", {})
-        assert [info["success"] for info in infos] == [True, True], infos
-        assert [info["rank"] for info in infos] == [0, 1]
-        assert infos[0]["instance"] != infos[1]["instance"]
-        config = models["second"].config
-        for rank, info in enumerate(infos):
-            layout = rank_layout(config, {"tp_size": 2, "tp_rank": rank}, "float32")
-            assert set(info["weights_info"]) == set(layout)
-            assert set(info["staged"]) == {name for name in layout if _REPACKED.search(name)}
-        ends = sync(server, writer, infos, rank_shards(models["second"], 2))
-        assert all(end["success"] and end["verified"] for end in ends), ends
-        expected = greedy_tokens(models["second"], torch.float32, PROMPTS[:1], NEW_TOKENS)
-        assert [server.greedy(PROMPTS[0], NEW_TOKENS)] == expected
-    finally:
-        server.stop()
+    server = vllm_tp2
+    infos = rpc(server, "weightsync_init", {})
+    assert [info["success"] for info in infos] == [True, True], infos
+    assert [info["rank"] for info in infos] == [0, 1]
+    assert infos[0]["instance"] != infos[1]["instance"]
+    config = models["second"].config
+    for rank, info in enumerate(infos):
+        layout = rank_layout(config, {"tp_size": 2, "tp_rank": rank}, "float32")
+        assert set(info["weights_info"]) == set(layout)
+        assert set(info["staged"]) == {name for name in layout if _REPACKED.search(name)}
+    ends = sync(server, writer, infos, rank_shards(models["second"], 2))
+    assert all(end["success"] and end["verified"] for end in ends), ends
+    expected = greedy_tokens(models["second"], torch.float32, PROMPTS[:1], NEW_TOKENS)
+    assert [server.greedy(PROMPTS[0], NEW_TOKENS)] == expected
 
 
 # -- without a server --------------------------------------------------------------------------

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 import weightsync as ws
-from vllm_cpu.fixtures import vllm_checkpoint, vllm_venv_or_skip
-from vllm_cpu.launch import SRC_DIR, VLLMServer, start_vllm
-from weightsync.control.vllm import EXTENSION_CLS, VLLMClient
+from vllm_cpu.launch import VLLMServer
+from weightsync.control.vllm import VLLMClient
 from weightsync.errors import TransferError
 from weightsync.testing.reference import greedy_tokens
 from weightsync.testing.transports import FailsAfter
@@ -31,39 +30,17 @@ from weightsync.transport import MooncakeConfig, MooncakeTransport
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-__all__ = ["vllm_checkpoint"]  # a fixture, used by name
-
 PROMPTS = ((1, 17, 42, 7), (600, 2, 31, 99, 5))
 NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def vllm_replicas(request, tmp_path_factory):
-    """A tp1 and a tp2 vLLM replica with weightsync's worker extension, serving
-    `vllm_checkpoint` in float32, started one after the other (two cores here); the tp1
-    one's ranks register a delta region (``WEIGHTSYNC_DELTA_REGION_MB``)."""
-    venv = vllm_venv_or_skip()
-    checkpoint = request.getfixturevalue("vllm_checkpoint")
-    logs = tmp_path_factory.mktemp("vllm-sync-logs")
-    servers: list[VLLMServer] = []
-    try:
-        for tp, env in ((1, {"WEIGHTSYNC_DELTA_REGION_MB": "4"}), (2, {})):
-            servers.append(
-                start_vllm(
-                    venv,
-                    checkpoint,
-                    tp=tp,
-                    dtype="float32",
-                    log_path=logs / f"vllm-tp{tp}.log",
-                    worker_extension_cls=EXTENSION_CLS,
-                    extra_env={"PYTHONPATH": str(SRC_DIR), **env},
-                    timeout=600.0,
-                )
-            )
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+def vllm_replicas(vllm_tp1, vllm_tp2, vllm_checkpoint) -> list[VLLMServer]:
+    """The session's tp1 and tp2 vLLM replicas (`vllm_cpu.fixtures`), first made to hold
+    `vllm_checkpoint` whatever they held (a push without the check)."""
+    result = _push(vllm_checkpoint, [vllm_tp1, vllm_tp2], "--version", "restored")
+    assert result["ok"], result
+    return [vllm_tp1, vllm_tp2]
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -118,13 +95,13 @@ def test_push_writes_checkpoints_into_running_vllm(
     from weightsync.testing.presets import preset_config, write_random_checkpoint
 
     server = vllm_replicas[1]
-    result = _push(vllm_checkpoint, server, "--check-weight-update-equal", "--version", "p1")
+    result = _push(vllm_checkpoint, [server], "--check-weight-update-equal", "--version", "p1")
     assert result["ok"] is True and result["bit_exact"] is True, result
     assert result["bytes"] == result["full_bytes"] > 0, result
 
     config = preset_config("tiny", head_dim=32)
     other = write_random_checkpoint(tmp_path / "other", config, dtype=torch.float32, seed=29)
-    result = _push(other, server, "--version", "p2")
+    result = _push(other, [server], "--version", "p2")
     assert result["ok"] is True and result["bit_exact"] is None, result
     model = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
     expected = greedy_tokens(model, torch.float32, PROMPTS, NEW_TOKENS)
@@ -132,10 +109,12 @@ def test_push_writes_checkpoints_into_running_vllm(
     assert _label(server) == "p2"
 
 
-def _push(checkpoint, server: VLLMServer, *args: str) -> dict:
-    """``weightsync push --json`` of `checkpoint` into `server`: its JSON line."""
+def _push(checkpoint, servers: list[VLLMServer], *args: str) -> dict:
+    """``weightsync push --json`` of `checkpoint` into `servers`: its JSON line."""
     command = [sys.executable, "-m", "weightsync", "push", str(checkpoint)]
-    command += ["--replica", server.url, *args, "--json"]
+    for server in servers:
+        command += ["--replica", server.url]
+    command += [*args, "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     lines = done.stdout.strip().splitlines()
     result = json.loads(lines[-1]) if lines else {}

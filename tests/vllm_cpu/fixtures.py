@@ -1,8 +1,11 @@
 """pytest fixtures for the tests against real vLLM 0.32.0 on the CPU; a test module imports the
-ones it uses (``from vllm_cpu.fixtures import vllm_checkpoint, vllm_server``).
+ones it uses (``from vllm_cpu.fixtures import vllm_checkpoint, vllm_tp1, vllm_tp2``).
 
-Tests that use them skip, with the reason, when vLLM's venv is not built (``scripts/setup
---tests`` builds it).
+The two servers are the session's: started once (each takes most of a minute on this machine)
+and shared by every vLLM test module, each with weightsync's worker extension in its workers
+(imported from this checkout's src/). A module must not assume what a shared server holds
+when it starts: it writes what it needs first. Tests that use them skip, with the reason, when
+vLLM's venv is not built (``scripts/setup --tests`` builds it).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from vllm_cpu.launch import SRC_DIR, VLLMServer, start_vllm, vllm_venv_if_built
 # vLLM's CPU attention takes head_dim 32 and up (it refuses the "tiny" preset's 16 when the
 # first request runs); the rest is the preset.
 TINY_HEAD_DIM = 32
-PROBE_EXTENSION = "vllm_cpu.probe_extension.ProbeExtension"
-TESTS_DIR = SRC_DIR.parent / "tests"
+EXTENSION = "weightsync.integrations.vllm.WorkerExtension"
+# Every rank of the shared tp1 server registers a delta region of this size (the
+# extension reads it from vLLM's environment when its first caller names none).
+DELTA_REGION_MB = 8
 
 
 def vllm_venv_or_skip() -> Path:
@@ -42,26 +47,36 @@ def vllm_checkpoint(tmp_path_factory) -> Path:
     return write_random_checkpoint(path, config, dtype=torch.float32, seed=11)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(request, tmp_path_factory) -> Iterator[VLLMServer]:
-    """One real vLLM 0.32.0 server (tp 1, float32, its RL and dev routes on, the tests'
-    `PROBE_EXTENSION` in its workers) serving `vllm_checkpoint`; ready in about a minute
-    here."""
+def _serve(request, tmp_path_factory, tp: int, **env: str) -> Iterator[VLLMServer]:
     venv = vllm_venv_or_skip()
     checkpoint = request.getfixturevalue("vllm_checkpoint")  # only once vLLM can run
-    log = tmp_path_factory.mktemp("vllm-logs") / "vllm.log"
+    log = tmp_path_factory.mktemp("vllm-logs") / f"vllm-tp{tp}.log"
     # Started from the main thread, which outlives it (its parent-death signal follows the
     # thread that started it).
     server = start_vllm(
         venv,
         checkpoint,
+        tp=tp,
         dtype="float32",
         log_path=log,
-        worker_extension_cls=PROBE_EXTENSION,
-        extra_env={"PYTHONPATH": f"{SRC_DIR}:{TESTS_DIR}"},  # the checkout's, then the probe
+        worker_extension_cls=EXTENSION,
+        extra_env={"PYTHONPATH": str(SRC_DIR), **env},  # the checkout's weightsync
         timeout=600.0,
     )
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_tp1(request, tmp_path_factory) -> Iterator[VLLMServer]:
+    """A real vLLM 0.32.0 server (tp 1, float32, its RL and dev routes on, weightsync's
+    worker extension with a `DELTA_REGION_MB` delta region) serving `vllm_checkpoint`."""
+    yield from _serve(request, tmp_path_factory, 1, WEIGHTSYNC_DELTA_REGION_MB=str(DELTA_REGION_MB))
+
+
+@pytest.fixture(scope="session")
+def vllm_tp2(request, tmp_path_factory) -> Iterator[VLLMServer]:
+    """The same at tp 2 (two workers in a gloo group on loopback), without a delta region."""
+    yield from _serve(request, tmp_path_factory, 2)
