@@ -10,6 +10,13 @@ times each of those on one device over ``--gb`` of bf16 weights (tensors of
 differing from the old), beside a copy of the same bytes on the same device (what a
 full colocated sync's writes cost at best). Every apply is checked bit for bit.
 
+Encoding is timed three ways in the same run, on the same changes: per tensor as
+`DeltaReference.encode` does it (``encode``), with torch's ops only (``encode_torch``,
+where the fused kernels run), and a bucket of ``--bucket-mb`` at a time in one fused pass
+(``encode_bucket``: `weightsync.sender.delta.encode_bucket`, as `DeltaPush` runs on CUDA),
+each checked equal to torch's bit for bit; on CUDA a few other bucket sizes and the second
+pass without its bitmap are timed too (``encode_bucket_variants``).
+
 Prints a table and one JSON line.
 
     python bench/delta_kernels.py --device cuda --gb 8.6        # one H200
@@ -44,6 +51,7 @@ from weightsync.delta_codec import (
     checksums,
     encode_payload,
 )
+from weightsync.sender.delta import encode_bucket
 from weightsync.sender.delta_reference import DeltaReference
 
 
@@ -77,6 +85,67 @@ def _torch_ops() -> Iterator[None]:
 def _encode(reference: DeltaReference, weights: list[torch.Tensor]) -> list:
     """Every tensor's changes against the reference (which then holds it)."""
     return [reference.encode("bfloat16", str(i), w) for i, w in enumerate(weights)]
+
+
+def _buckets(weights: list[torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, str, Any]]]:
+    """The stream cut into buckets of about `bucket_bytes` (a tensor never split), as
+    `DeltaPush` cuts it."""
+    buckets: list[list[tuple[str, str, Any]]] = [[]]
+    held = 0
+    for index, weight in enumerate(weights):
+        buckets[-1].append(("bfloat16", str(index), weight))
+        held += weight.numel() * weight.element_size()
+        if held >= bucket_bytes:
+            buckets.append([])
+            held = 0
+    return [b for b in buckets if b]
+
+
+def _encode_buckets(reference: DeltaReference, buckets: list) -> list:
+    """Every bucket's changes against the reference (which then holds them), in order."""
+    return [changes for bucket in buckets for changes in encode_bucket(reference, bucket)]
+
+
+@contextlib.contextmanager
+def _settings(settings: dict[str, Any]) -> Iterator[None]:
+    """Run the fused bucket encode under other settings of `weightsync.delta_kernels`
+    (``BUCKET_ROWS``, ``BUCKET_STEPS``, ``BUCKET_WARPS``, ``BUCKET_SECOND_PASS``,
+    ``BUCKET_SLOTS``)."""
+    before = {name: getattr(delta_kernels, name) for name in settings}
+    for name, value in settings.items():
+        setattr(delta_kernels, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(delta_kernels, name, value)
+
+
+# Other bucket sizes (MiB, None: the whole stream) and kernel settings, timed beside the
+# default where the fused kernels run.
+_VARIANTS: dict[str, tuple[int | None, dict[str, Any]]] = {
+    "256 MiB": (256, {}),
+    "4096 MiB": (4096, {}),
+    "whole stream": (None, {}),
+    "second pass by the bitmap": (0, {"BUCKET_SECOND_PASS": "bitmap"}),
+    "second pass comparing again": (0, {"BUCKET_SECOND_PASS": "full"}),
+    "select 128 slots": (0, {"BUCKET_SLOTS": 128}),
+    "select 512 slots": (0, {"BUCKET_SLOTS": 512}),
+    "tile 128x32 x1": (0, {"BUCKET_ROWS": 128, "BUCKET_STEPS": 1}),
+    "tile 64x32 x4": (0, {"BUCKET_ROWS": 64, "BUCKET_STEPS": 4}),
+    "tile 64x32 x4, 8 warps": (0, {"BUCKET_ROWS": 64, "BUCKET_STEPS": 4, "BUCKET_WARPS": 8}),
+    "tile 32x32 x16": (0, {"BUCKET_STEPS": 16}),
+}
+
+
+def _same(found: list, expected: list, what: str) -> None:
+    for ours, theirs in zip(found, expected, strict=True):
+        if not (
+            torch.equal(ours.elements, theirs.elements)
+            and torch.equal(ours.new, theirs.new)
+            and torch.equal(ours.old, theirs.old)
+        ):
+            raise RuntimeError(f"{what} differs from torch's")
 
 
 def _lay_out(found: list, numel: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
@@ -113,10 +182,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The same reference for torch's ops, where the fused kernels run: both in one run.
     kernels = delta_kernels.ready(device)
     plain = DeltaReference("device") if kernels else None
+    # The fused bucket encode's reference, and a copy of it as each repeat found it, so that
+    # every variant of the bucket encode finds the same changes.
+    fused = DeltaReference("device") if kernels else None
     for index, param in enumerate(params):
         reference.record("bfloat16", str(index), param)
         if plain is not None:
             plain.record("bfloat16", str(index), param)
+        if fused is not None:
+            fused.record("bfloat16", str(index), param)
+    fused_refs = [fused._refs[("bfloat16", str(i))] for i in range(count)] if fused else []
+    before = [torch.empty_like(r) for r in fused_refs]
+    bucket_bytes = args.bucket_mb << 20
+    variants = {
+        name: (
+            bucket_bytes if mb == 0 else (1 << 62 if mb is None else mb << 20),
+            settings,
+        )
+        for name, (mb, settings) in _VARIANTS.items()
+        if mb != args.bucket_mb and args.variants
+    }
+    variant_times: dict[str, list[float]] = {name: [] for name in variants}
     times: dict[str, list[float]] = {
         k: []
         for k in (
@@ -129,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "changes",
             "encode_torch",
             "begin_torch",
+            "encode_bucket",
         )
     }
     num_bytes = count * numel * 2
@@ -154,13 +241,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 with_torch = {name: w for name, w in zip(_names(count), params, strict=True)}
                 times["begin_torch"].append(_timed(device, lambda p=with_torch: checksums(p)))
-            for ours, theirs in zip(found, torch_found, strict=True):
-                if not (
-                    torch.equal(ours.elements, theirs.elements)
-                    and torch.equal(ours.new, theirs.new)
-                    and torch.equal(ours.old, theirs.old)
-                ):
-                    raise RuntimeError("the fused encode differs from torch's")
+            _same(found, torch_found, "the per-tensor encode")
+        if fused is not None:
+            for ref, kept in zip(fused_refs, before, strict=True):
+                kept.copy_(ref)
+            for name, (size, settings) in variants.items():
+                for ref, kept in zip(fused_refs, before, strict=True):
+                    ref.copy_(kept)
+                buckets = _buckets(weights, size)
+                with _settings(settings):
+                    variant: list = []
+                    variant_times[name].append(
+                        _timed(
+                            device, lambda f=variant, b=buckets: f.extend(_encode_buckets(fused, b))
+                        )
+                    )
+                _same(variant, torch_found, f"the fused bucket encode ({name})")
+                del variant
+            for ref, kept in zip(fused_refs, before, strict=True):
+                ref.copy_(kept)
+            buckets = _buckets(weights, bucket_bytes)
+            bucket_found: list = []
+            times["encode_bucket"].append(
+                _timed(
+                    device, lambda f=bucket_found, b=buckets: f.extend(_encode_buckets(fused, b))
+                )
+            )
+            _same(bucket_found, torch_found, "the fused bucket encode")
+            for ref, theirs in zip(fused_refs, plain._refs.values(), strict=True):
+                if not torch.equal(ref, theirs):
+                    raise RuntimeError("the fused bucket encode left another reference")
+            del bucket_found
         laid: list = []
         times["layout"].append(
             _timed(device, lambda f=found, o=laid: o.append(_lay_out(f, numel, device)))
@@ -224,6 +335,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "begin_torch_gbps": (
             num_bytes / medians["begin_torch"] / 1e9 if "begin_torch" in medians else None
         ),
+        "encode_torch_of_copy_rate": (
+            (2 * num_bytes / medians["encode_torch"]) / (num_bytes / medians["copy"])
+            if "encode_torch" in medians
+            else None
+        ),
+        "bucket_mb": args.bucket_mb,
+        "tensor_mb": args.tensor_mb,
+        "encode_bucket_read_gbps": (
+            2 * num_bytes / medians["encode_bucket"] / 1e9 if "encode_bucket" in medians else None
+        ),
+        "encode_bucket_of_copy_rate": (
+            (2 * num_bytes / medians["encode_bucket"]) / (num_bytes / medians["copy"])
+            if "encode_bucket" in medians
+            else None
+        ),
+        "encode_bucket_variants_s": {name: median(v) for name, v in variant_times.items() if v},
         "bit_exact": True,
     }
 
@@ -236,6 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-mb", type=int, default=128)
     p.add_argument("--density", type=float, default=0.02)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--no-variants",
+        dest="variants",
+        action="store_false",
+        help="time the fused bucket encode under its default settings only",
+    )
+    p.add_argument(
+        "--bucket-mb", type=int, default=1024, help="bytes of a fused bucket encode, in MiB"
+    )
     p.add_argument(
         "--trainer-dtype",
         default="bfloat16",
@@ -274,8 +410,19 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     "encode, torch's ops",
                     f"{seconds['encode_torch'] * 1e3:.2f}",
-                    f"{result['encode_torch_read_gbps']:.0f} GB/s read",
+                    f"{result['encode_torch_read_gbps']:.0f} GB/s read, "
+                    f"{result['encode_torch_of_copy_rate']:.0%} of the copy's rate",
                 ],
+                [
+                    f"encode, fused bucket ({result['bucket_mb']} MiB)",
+                    f"{seconds['encode_bucket'] * 1e3:.2f}",
+                    f"{result['encode_bucket_read_gbps']:.0f} GB/s read, "
+                    f"{result['encode_bucket_of_copy_rate']:.0%} of the copy's rate",
+                ],
+                *(
+                    [f"  bucket: {name}", f"{value * 1e3:.2f}", ""]
+                    for name, value in result["encode_bucket_variants_s"].items()
+                ),
                 [
                     "begin checksums, torch's ops",
                     f"{seconds['begin_torch'] * 1e3:.2f}",

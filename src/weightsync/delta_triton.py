@@ -138,3 +138,336 @@ def scatter_kernel(
         offset = tl.load(offsets + lanes, mask=live, other=0).to(tl.int64) & 0xFFFF
         value = tl.load(values + lanes, mask=live)
         tl.store(dest + start + offset, value, mask=live)
+
+
+# --- one fused pass per bucket ------------------------------------------------------------
+# A bucket's tensors of one kind (source dtype, rollout dtype) are cut into tiles of
+# ``ROWS * 32 * STEPS`` elements, numbered across the bucket. A program finds its tile's
+# tensor by a binary search over the tensors' first tiles (a table of one entry a tensor),
+# and addresses the tensor as ``base + offset``: the offsets are multiples of 16 bytes, so
+# the loads stay vectorised (a pointer read from a table would lose its alignment).
+
+
+@triton.jit
+def _bucket_tensor(tile, first_tile_ptr, num_tensors, SEARCH: tl.constexpr):
+    """The index of the tensor holding global `tile`: the last whose first tile is at most
+    `tile` (`first_tile_ptr` ascending, `num_tensors` + 1 entries)."""
+    lo = tl.zeros((), dtype=tl.int32)
+    hi = tl.zeros((), dtype=tl.int32) + num_tensors
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        below = tl.load(first_tile_ptr + mid) <= tile
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _count_step(
+    new_base,
+    ref_base,
+    bitmap_ptr,
+    prefix_ptr,
+    word0,
+    index,
+    rows,
+    cols,
+    numel,
+    before,
+    MASKED: tl.constexpr,
+    CAST: tl.constexpr,
+    FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
+    WRITE_BITMAP: tl.constexpr,
+    WRITE_PREFIX: tl.constexpr,
+):
+    """Compare one step's ``[rows, 32]`` elements at `index`; store each row's changes as a
+    32-bit word of the bitmap (and the changes of the tile before the row, `before` being
+    those before the step); return the changes."""
+    if MASKED:
+        inside = index < numel
+        value = tl.load(new_base + index, mask=inside, other=0)
+        old = tl.load(ref_base + index, mask=inside, other=0)
+    else:
+        value = tl.load(new_base + index)
+        old = tl.load(ref_base + index)
+    if CAST:  # noqa: SIM108 - a constexpr branch, resolved when the kernel compiles
+        bits = value.to(FLOAT).to(BITS, bitcast=True)
+    else:
+        bits = value
+    # Lanes past the tensor load 0 on both sides: equal, so never counted.
+    flags = (bits != old).to(tl.int32)
+    if WRITE_BITMAP:
+        # Distinct powers of two: their sum is their bitwise or (bit 31 wraps into the sign).
+        tl.store(bitmap_ptr + word0 + rows, tl.sum(flags << cols[None, :], axis=1))
+    row_counts = tl.sum(flags, axis=1)
+    if WRITE_PREFIX:
+        first = before + tl.cumsum(row_counts, axis=0) - row_counts
+        tl.store(prefix_ptr + word0 + rows, first.to(tl.int16))
+    return tl.sum(row_counts, axis=0)
+
+
+@triton.jit
+def bucket_count_kernel(
+    new_ptr,
+    ref_ptr,
+    new_off_ptr,
+    ref_off_ptr,
+    numel_ptr,
+    first_tile_ptr,
+    num_tensors,
+    tile0,
+    counts_ptr,
+    bitmap_ptr,
+    prefix_ptr,
+    CAST: tl.constexpr,
+    FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    STEPS: tl.constexpr,
+    SEARCH: tl.constexpr,
+    NEW_ALIGN: tl.constexpr,
+    REF_ALIGN: tl.constexpr,
+    WRITE_BITMAP: tl.constexpr,
+    WRITE_PREFIX: tl.constexpr,
+):
+    """Pass 1 of a bucket: per tile, how many elements differ from the reference (and, with
+    `WRITE_BITMAP`, which: one bit each; with `WRITE_PREFIX`, per 32-bit word of the bitmap
+    the changes in its tile before it, as int16). Reads each tile's new bytes and reference
+    once."""
+    tile = tile0 + tl.program_id(0)
+    t = _bucket_tensor(tile, first_tile_ptr, num_tensors, SEARCH)
+    numel = tl.load(numel_ptr + t)
+    start = (tile - tl.load(first_tile_ptr + t)).to(tl.int64) * (ROWS * 32 * STEPS)
+    new_base = new_ptr + tl.multiple_of(tl.load(new_off_ptr + t), NEW_ALIGN)
+    ref_base = ref_ptr + tl.multiple_of(tl.load(ref_off_ptr + t), REF_ALIGN)
+    cols = tl.arange(0, 32)
+    word0 = tile.to(tl.int64) * (ROWS * STEPS)
+    count = tl.zeros((), dtype=tl.int32)
+    if start + ROWS * 32 * STEPS <= numel:
+        for s in tl.static_range(STEPS):
+            rows = s * ROWS + tl.arange(0, ROWS)
+            index = start + (rows * 32)[:, None] + cols[None, :]
+            count += _count_step(
+                new_base, ref_base, bitmap_ptr, prefix_ptr, word0, index, rows, cols, numel,
+                count, False, CAST, FLOAT, BITS, WRITE_BITMAP, WRITE_PREFIX,
+            )  # fmt: skip
+    else:
+        for s in tl.static_range(STEPS):
+            rows = s * ROWS + tl.arange(0, ROWS)
+            index = start + (rows * 32)[:, None] + cols[None, :]
+            count += _count_step(
+                new_base, ref_base, bitmap_ptr, prefix_ptr, word0, index, rows, cols, numel,
+                count, True, CAST, FLOAT, BITS, WRITE_BITMAP, WRITE_PREFIX,
+            )  # fmt: skip
+    tl.store(counts_ptr + tile, count)
+
+
+@triton.jit
+def _write_step(
+    new_base,
+    ref_base,
+    bitmap_ptr,
+    word0,
+    index,
+    rows,
+    cols,
+    numel,
+    place0,
+    elements_ptr,
+    new_out_ptr,
+    old_out_ptr,
+    MASKED: tl.constexpr,
+    CAST: tl.constexpr,
+    FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
+    FROM_BITMAP: tl.constexpr,
+):
+    """Write one step's changed elements (index, new bits, old bits) from output position
+    `place0` on, in order, and their new bits into the reference; return how many."""
+    if FROM_BITMAP:
+        words = tl.load(bitmap_ptr + word0 + rows)
+        flags = (words[:, None] >> cols[None, :]) & 1
+        changed = flags != 0
+        # Only the changed lanes are read: the sectors holding no change are not fetched.
+        value = tl.load(new_base + index, mask=changed, other=0)
+        old = tl.load(ref_base + index, mask=changed, other=0)
+        if CAST:  # noqa: SIM108 - a constexpr branch, resolved when the kernel compiles
+            bits = value.to(FLOAT).to(BITS, bitcast=True)
+        else:
+            bits = value
+    else:
+        if MASKED:
+            inside = index < numel
+            value = tl.load(new_base + index, mask=inside, other=0)
+            old = tl.load(ref_base + index, mask=inside, other=0)
+        else:
+            value = tl.load(new_base + index)
+            old = tl.load(ref_base + index)
+        if CAST:  # noqa: SIM108 - a constexpr branch, resolved when the kernel compiles
+            bits = value.to(FLOAT).to(BITS, bitcast=True)
+        else:
+            bits = value
+        changed = bits != old
+        flags = changed.to(tl.int32)
+    row_counts = tl.sum(flags, axis=1)
+    row_first = tl.cumsum(row_counts, axis=0) - row_counts
+    place = place0 + (row_first[:, None] + tl.cumsum(flags, axis=1) - flags).to(tl.int64)
+    tl.store(elements_ptr + place, index, mask=changed)
+    tl.store(new_out_ptr + place, bits, mask=changed)
+    tl.store(old_out_ptr + place, old, mask=changed)
+    tl.store(ref_base + index, bits, mask=changed)
+    return tl.sum(row_counts, axis=0)
+
+
+@triton.jit
+def bucket_write_kernel(
+    new_ptr,
+    ref_ptr,
+    new_off_ptr,
+    ref_off_ptr,
+    numel_ptr,
+    first_tile_ptr,
+    num_tensors,
+    tile0,
+    counts_ptr,
+    starts_ptr,
+    base,
+    bitmap_ptr,
+    elements_ptr,
+    new_out_ptr,
+    old_out_ptr,
+    CAST: tl.constexpr,
+    FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    STEPS: tl.constexpr,
+    SEARCH: tl.constexpr,
+    NEW_ALIGN: tl.constexpr,
+    REF_ALIGN: tl.constexpr,
+    FROM_BITMAP: tl.constexpr,
+):
+    """Pass 2 of a bucket: each tile with changes writes them (its tensor's element index,
+    new bits, old bits) at its place, the exclusive prefix sum of the counts less `base`
+    (this kind's first: its outputs are its own), and updates the reference."""
+    tile = tile0 + tl.program_id(0)
+    if tl.load(counts_ptr + tile) > 0:
+        t = _bucket_tensor(tile, first_tile_ptr, num_tensors, SEARCH)
+        numel = tl.load(numel_ptr + t)
+        start = (tile - tl.load(first_tile_ptr + t)).to(tl.int64) * (ROWS * 32 * STEPS)
+        new_base = new_ptr + tl.multiple_of(tl.load(new_off_ptr + t), NEW_ALIGN)
+        ref_base = ref_ptr + tl.multiple_of(tl.load(ref_off_ptr + t), REF_ALIGN)
+        cols = tl.arange(0, 32)
+        word0 = tile.to(tl.int64) * (ROWS * STEPS)
+        # The elements' output is the bucket's, shifted by the caller to this kind's first.
+        place = tl.load(starts_ptr + tile) - base
+        if start + ROWS * 32 * STEPS <= numel:
+            for s in tl.static_range(STEPS):
+                rows = s * ROWS + tl.arange(0, ROWS)
+                index = start + (rows * 32)[:, None] + cols[None, :]
+                place += _write_step(
+                    new_base, ref_base, bitmap_ptr, word0, index, rows, cols, numel,
+                    place, elements_ptr, new_out_ptr,
+                    old_out_ptr, False, CAST, FLOAT, BITS, FROM_BITMAP,
+                )  # fmt: skip
+        else:
+            for s in tl.static_range(STEPS):
+                rows = s * ROWS + tl.arange(0, ROWS)
+                index = start + (rows * 32)[:, None] + cols[None, :]
+                place += _write_step(
+                    new_base, ref_base, bitmap_ptr, word0, index, rows, cols, numel,
+                    place, elements_ptr, new_out_ptr,
+                    old_out_ptr, True, CAST, FLOAT, BITS, FROM_BITMAP,
+                )  # fmt: skip
+
+
+@triton.jit
+def _popcount(x):
+    """Set bits of each 32-bit value in int64 `x` (SWAR: no intrinsic, so that Triton's
+    interpreter runs it too)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24) & 0xFF
+
+
+@triton.jit
+def bucket_select_kernel(
+    new_ptr,
+    ref_ptr,
+    new_off_ptr,
+    ref_off_ptr,
+    numel_ptr,
+    first_tile_ptr,
+    num_tensors,
+    tile0,
+    counts_ptr,
+    starts_ptr,
+    base,
+    bitmap_ptr,
+    prefix_ptr,
+    elements_ptr,
+    new_out_ptr,
+    old_out_ptr,
+    CAST: tl.constexpr,
+    FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
+    WORDS: tl.constexpr,
+    WORD_SEARCH: tl.constexpr,
+    SEARCH: tl.constexpr,
+    NEW_ALIGN: tl.constexpr,
+    REF_ALIGN: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
+    """Pass 2 of a bucket by its changes rather than its elements: each tile with changes
+    takes them `SLOTS` at a time, lane ``j`` its ``j``-th change, found by a binary search
+    over the first pass's per-word prefix and a select in the word; then reads those
+    elements' new and old bits, writes them in order at the tile's place (as
+    `bucket_write_kernel`) and updates the reference. Its work is in the changes, not in
+    the tile's elements."""
+    tile = tile0 + tl.program_id(0)
+    count = tl.load(counts_ptr + tile)
+    if count > 0:
+        t = _bucket_tensor(tile, first_tile_ptr, num_tensors, SEARCH)
+        start = (tile - tl.load(first_tile_ptr + t)).to(tl.int64) * (WORDS * 32)
+        new_base = new_ptr + tl.multiple_of(tl.load(new_off_ptr + t), NEW_ALIGN)
+        ref_base = ref_ptr + tl.multiple_of(tl.load(ref_off_ptr + t), REF_ALIGN)
+        place0 = tl.load(starts_ptr + tile) - base
+        word0 = tile.to(tl.int64) * WORDS
+        # A loop, not unrolled: its body is large, and a tile has only a few rounds of
+        # changes at a delta's density (an unrolled body per round took minutes to compile).
+        for first in range(0, WORDS * 32, SLOTS):
+            if first < count:
+                slot = first + tl.arange(0, SLOTS)
+                live = slot < count
+                # The last word whose changes before it are at most the slot's rank: the
+                # word holding it (a word without changes shares its next one's prefix).
+                lo = tl.zeros([SLOTS], dtype=tl.int32)
+                hi = tl.zeros([SLOTS], dtype=tl.int32) + WORDS
+                for _ in tl.static_range(WORD_SEARCH):
+                    mid = (lo + hi) // 2
+                    below = tl.load(prefix_ptr + word0 + mid).to(tl.int32) <= slot
+                    lo = tl.where(below, mid, lo)
+                    hi = tl.where(below, hi, mid)
+                word = tl.load(bitmap_ptr + word0 + lo).to(tl.int64) & 0xFFFFFFFF
+                rank = (slot - tl.load(prefix_ptr + word0 + lo).to(tl.int32)).to(tl.int64)
+                # The rank-th set bit of the word, by halving: 16, 8, 4, 2, 1 bits.
+                bit = tl.zeros([SLOTS], dtype=tl.int64)
+                for half in tl.static_range(5):
+                    width = 16 >> half
+                    low = _popcount((word >> bit) & ((1 << width) - 1))
+                    up = rank >= low
+                    bit += tl.where(up, width, 0)
+                    rank -= tl.where(up, low, 0)
+                index = start + lo.to(tl.int64) * 32 + bit
+                value = tl.load(new_base + index, mask=live, other=0)
+                old = tl.load(ref_base + index, mask=live, other=0)
+                if CAST:  # noqa: SIM108 - a constexpr branch, resolved when the kernel compiles
+                    bits = value.to(FLOAT).to(BITS, bitcast=True)
+                else:
+                    bits = value
+                place = place0 + slot
+                tl.store(elements_ptr + place, index, mask=live)
+                tl.store(new_out_ptr + place, bits, mask=live)
+                tl.store(old_out_ptr + place, old, mask=live)
+                tl.store(ref_base + index, bits, mask=live)

@@ -19,6 +19,14 @@ registered staging buffer until the next push, and the push reports where they l
 
 A push with no delta target still records every tensor as the new reference, so that the
 next push can take deltas against it.
+
+On CUDA, where the fused kernels run (`weightsync.delta_kernels.ready`), tensors of at least
+`BUCKET_MIN_TENSOR_BYTES` are encoded a bucket at a time (`encode_bucket`: up to
+`BUCKET_BYTES` of them, one fused pass and one host sync for all), not one by one; a tensor
+the bucket does not take (a smaller one, a cast the kernel does not make, another device, a
+reference in host memory) is encoded alone, after
+the bucket before it, so that the changes reach the layouts in the stream's order either
+way.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from weightsync import delta_kernels
 from weightsync.delta_codec import Section, checksum_change, encode_payload
 from weightsync.export.base import WeightExport
 from weightsync.layout.dtypes import DTYPE_SIZES
@@ -47,6 +56,72 @@ if TYPE_CHECKING:
     from weightsync.transport import Transport
 
 _WRAP = 1 << 64
+
+BUCKET_BYTES = 1 << 30
+"""Bytes of stream tensors (as the export yields them) a delta push encodes in one fused
+pass on CUDA. The host syncs once per bucket; the pass's scratch is 3/32 of a bucket's
+bf16 bytes (kept between pushes), and a bucket's tensors are held until it is encoded (an
+export that computes its tensors, such as `Fp8Export`, keeps up to this much more alive).
+On an H200 (bf16, 2 %, the bitmap pass of `weightsync.delta_kernels`), 256 MiB buckets
+took 24.4 ms for 8.6 GB, 1 GiB 22.0, 4 GiB 21.8: past 1 GiB the syncs cost little."""
+
+
+BUCKET_MIN_TENSOR_BYTES = 32 << 20
+"""The smallest tensor (as the export yields it) that joins a fused bucket; smaller ones are
+encoded alone (`DeltaReference.encode`). Measured on an H200 (8.6 GB of bf16 at 2 %, against
+a same-GPU copy of the same bytes): tensors of 128 MB, 11.7 ms fused against 23.6 with torch's
+ops (73 % of the copy's rate against 36 %); 64 MB, 11.8 against 25.5 (76 %); 32 MB, 18.3
+against 37.4; 16 MB, 92 against 53: the bucket's per-tensor bookkeeping outgrows the pass."""
+
+
+def _fused(device: torch.device) -> bool:
+    """Whether tensors on `device` are encoded by buckets (the fused kernels run there)."""
+    return delta_kernels.ready(device)
+
+
+def fuses_bucket(
+    reference: DeltaReference, dtype_name: str, hf_name: str, tensor: torch.Tensor
+) -> bool:
+    """Whether `encode_bucket` takes `tensor` (``hf_name`` for a rollout of ``dtype_name``):
+    its reference of the same length on the tensor's device, where the fused kernels run,
+    and a dtype the kernel reads or casts from."""
+    ref = reference.bits(dtype_name, hf_name)
+    if ref is None or ref.device != tensor.device or ref.numel() != tensor.numel():
+        return False
+    dtype = torch_dtype(dtype_name)
+    if ref.element_size() != torch.empty((), dtype=dtype).element_size():
+        return False
+    return _fused(ref.device) and delta_kernels.finds_changes(tensor.dtype, dtype)
+
+
+def encode_bucket(
+    reference: DeltaReference, entries: Sequence[tuple[str, str, torch.Tensor]]
+) -> list[Changes]:
+    """`DeltaReference.encode` of each ``(dtype_name, hf_name, tensor)`` of `entries`, in
+    one fused pass (`weightsync.delta_kernels.find_changes_bucket`): the same changes, bit
+    for bit, and each reference then holds its tensor's bytes.
+
+    Raises:
+        ValueError: an entry `fuses_bucket` refuses, or one named twice (its reference
+            would be read and written by two tiles at once).
+    """
+    news, refs, dtypes = [], [], []
+    if len({(dtype_name, hf_name) for dtype_name, hf_name, _ in entries}) != len(entries):
+        raise ValueError("a fused bucket names a tensor twice; encode it in separate buckets")
+    for dtype_name, hf_name, tensor in entries:
+        if not fuses_bucket(reference, dtype_name, hf_name, tensor):
+            raise ValueError(
+                f"{hf_name!r} ({tensor.dtype} on {tensor.device}, for {dtype_name}) cannot be "
+                "encoded in a fused bucket; encode it alone (DeltaReference.encode)"
+            )
+        news.append(tensor.reshape(-1).contiguous())
+        refs.append(reference.bits(dtype_name, hf_name))
+        dtypes.append(torch_dtype(dtype_name))
+    found = delta_kernels.find_changes_bucket(news, refs, dtypes)
+    return [
+        Changes(elements=elements, old=old, new=new, numel=ref.numel())
+        for (elements, new, old), ref in zip(found, refs, strict=True)
+    ]
 
 
 def wrap_int64(value: int) -> int:
@@ -322,6 +397,8 @@ class DeltaPush:
         names: list[str] = []
         taken, versions = pins.stream(names)
         num_elements = num_changed = 0
+        bucket: list[tuple[int, DeltaMap, str, torch.Tensor]] = []
+        bucket_bytes = 0
         for hf_name, tensor in export:
             index = by_name.get(hf_name)
             if index is None:
@@ -337,9 +414,22 @@ class DeltaPush:
                     delta_map.dtype, hf_name, tensor.to(torch_dtype(delta_map.dtype))
                 )
                 continue
+            if tensor.numel() * tensor.element_size() >= BUCKET_MIN_TENSOR_BYTES and fuses_bucket(
+                self.reference, delta_map.dtype, hf_name, tensor
+            ):
+                bucket.append((index, delta_map, hf_name, tensor))
+                bucket_bytes += tensor.numel() * tensor.element_size()
+                if bucket_bytes >= BUCKET_BYTES:
+                    num_changed += self._encode_bucket(bucket, wanted, pieces)
+                    bucket, bucket_bytes = [], 0
+                continue
+            # Alone, after the bucket before it: the layouts see the stream's order.
+            num_changed += self._encode_bucket(bucket, wanted, pieces)
+            bucket, bucket_bytes = [], 0
             changes = self.reference.encode(delta_map.dtype, hf_name, tensor)
             num_changed += changes.elements.numel()
             self._collect(index, delta_map, hf_name, changes, wanted, pieces)
+        num_changed += self._encode_bucket(bucket, wanted, pieces)
         encoded = time.perf_counter()
         missing = by_name.keys() - set(names)
         if missing:
@@ -365,6 +455,22 @@ class DeltaPush:
             write_seconds=end - encoded,
             seconds=end - start,
         )
+
+    def _encode_bucket(
+        self,
+        bucket: Sequence[tuple[int, DeltaMap, str, torch.Tensor]],
+        wanted: set[tuple[int, int]],
+        pieces: dict[tuple[int, int, str], _Pieces],
+    ) -> int:
+        """Encode `bucket`'s tensors in one fused pass and file their changes, in order;
+        the elements that changed."""
+        if not bucket:
+            return 0
+        entries = [(delta_map.dtype, hf_name, tensor) for _, delta_map, hf_name, tensor in bucket]
+        found = encode_bucket(self.reference, entries)
+        for (index, delta_map, hf_name, _), changes in zip(bucket, found, strict=True):
+            self._collect(index, delta_map, hf_name, changes, wanted, pieces)
+        return sum(changes.elements.numel() for changes in found)
 
     def _collect(
         self,

@@ -96,6 +96,11 @@ class DeltaReference:
         host.copy_(bits)
         return host
 
+    def bits(self, dtype_name: str, hf_name: str) -> torch.Tensor | None:
+        """The reference's flat bits of ``hf_name`` in ``dtype_name`` (None: none recorded),
+        for an encoder that compares and updates them in place, as `encode` does."""
+        return self._refs.get((dtype_name, hf_name))
+
     def record(self, dtype_name: str, hf_name: str, tensor: torch.Tensor) -> None:
         """Make `tensor` (already in the rollout's dtype) the reference of ``hf_name``,
         without comparing (a full push: no target takes a delta of it)."""
