@@ -11,10 +11,14 @@ One vLLM replica (weightsync's worker extension in its workers) serves checkpoin
 - ``vllm reload``: ``/pause``, ``POST /collective_rpc reload_weights`` with ``weights_path``
   (vLLM reads the safetensors from disk, already in the page cache here, loads them through its
   loaders and post-processes them), ``/resume``.
+- ``save + reload``: what an RL step pays to use that path: the trainer first writes its
+  tensors as safetensors (here into the page cache of the same host: no shared file system,
+  no second node), then vLLM reloads them.
 
 Every timed update is checked: the replica's greedy tokens equal transformers' on the
 checkpoint it was given. Prints a table and one JSON line (medians): ``bytes``,
-``weightsync_s``, ``reload_s``, ``speedup`` (reload / weightsync) and the sync's phases (its
+``weightsync_s``, ``reload_s``, ``save_s``, ``speedup`` (reload / weightsync),
+``speedup_vs_save_reload`` ((save + reload) / weightsync) and the sync's phases (its
 ``finalize`` holds vLLM's processing of the staged parameters).
 
     python bench/vllm_sync.py                   # "small" Qwen3 (~130 MB float32), tp1
@@ -83,7 +87,8 @@ def main() -> None:
         sender=ws.SenderConfig(bucket_bytes=64 << 20, timeout_s=60),
         control=ws.ControlConfig(http_timeout_s=300.0),
     )
-    times: dict[str, list[float]] = {"weightsync": [], "reload": []}
+    times: dict[str, list[float]] = {"weightsync": [], "reload": [], "save": []}
+    saved = work / "saved"
     phases: list[dict[str, float]] = []
     try:
         with ws.TrainerSync(sync_config, hf_config=models[0].config, replicas=[server.url]) as sync:
@@ -98,12 +103,14 @@ def main() -> None:
                     _check(server, expected[which], "weightsync")
                     times["reload"].append(_reload(server, paths[which ^ 1]))
                     _check(server, expected[which ^ 1], "vllm reload")
+                    times["save"].append(_save(models[which], paths[which], saved))
                     # Back to what the trainer wrote last, for the next sync to change it all.
                     sync.sync(ws.ModelExport(models[which]), version=f"r{repeat}{which}")
     finally:
         server.stop()
 
     weightsync_s, reload_s = median(times["weightsync"]), median(times["reload"])
+    save_s = median(times["save"])
     phase_names = sorted({k for p in phases for k in p})
     medians = {k: median([p[k] for p in phases if k in p]) for k in phase_names}
     print_table(
@@ -118,6 +125,12 @@ def main() -> None:
                 f"{reload_s / weightsync_s:.2f}",
             ],
             ["vllm reload", f"{reload_s:.3f}", f"{num_bytes / reload_s / 1e9:.2f}", "1.00"],
+            [
+                "save + reload",
+                f"{save_s + reload_s:.3f}",
+                f"{num_bytes / (save_s + reload_s) / 1e9:.2f}",
+                f"{reload_s / (save_s + reload_s):.2f}",
+            ],
         ],
     )
     print("weightsync phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
@@ -127,6 +140,8 @@ def main() -> None:
         "weightsync_s": weightsync_s,
         "reload_s": reload_s,
         "speedup": reload_s / weightsync_s,
+        "save_s": save_s,
+        "speedup_vs_save_reload": (save_s + reload_s) / weightsync_s,
         "phases_s": medians,
         "repeats": len(times["weightsync"]),
     }
@@ -145,6 +160,21 @@ def _reload(server: Any, path: Path) -> float:
     if reply.status != 200:
         raise RuntimeError(f"reload_weights failed: {reply.status} {reply.body}")
     server.post("/resume")
+    return time.perf_counter() - start
+
+
+def _save(model: Any, source: Path, folder: Path) -> float:
+    """The trainer's side of vLLM's path: write `model`'s tensors as a checkpoint folder
+    (safetensors beside `source`'s config); its wall time."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    shutil.copy(source / "config.json", folder / "config.json")
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    start = time.perf_counter()
+    save_file(state, str(folder / "model.safetensors"))
     return time.perf_counter() - start
 
 

@@ -262,3 +262,22 @@ def test_delta_syncs_into_vllm(vllm_replicas, vllm_checkpoint) -> None:
             assert modes == ["full", "delta", "delta"], modes
     finally:
         transport.close()
+
+
+def test_doctor_recognises_vllm(vllm_replicas) -> None:
+    """``weightsync doctor`` on a vLLM replica: vLLM 0.32.0, nothing that moves the weights,
+    every rank published, its parallelism from the extension, delta regions where the
+    workers registered one, and its ranks' transfer engines answering."""
+    from weightsync.cli.doctor_checks import OK, DoctorOptions, run_checks
+
+    tp1, tp2 = vllm_replicas
+    options = DoctorOptions(replicas=(tp1.url, tp2.url), transport="tcp", timeout_s=60)
+    rows: dict[str, dict[str, dict]] = {}
+    for row in run_checks(options):
+        rows.setdefault(row.subject, {})[row.name] = row.to_dict()
+    for url in (tp1.url, tp2.url):
+        assert all(row["status"] == OK for row in rows[url].values()), rows[url]
+        assert rows[url]["protocol"]["detail"].startswith("vLLM 0.32.0 (")
+    assert rows[tp2.url]["parallelism"]["detail"].startswith("tp=2 ")
+    assert "delta regions of 8 MiB" in rows[tp1.url]["delta syncs"]["detail"]
+    assert rows[tp2.url]["delta syncs"]["detail"].startswith("no: full bytes")

@@ -431,7 +431,10 @@ def _delta_row(
         sizes = sorted({r.delta_region[1] for r in replies})
         detail = f"into delta regions of {'/'.join(str(n >> 20) for n in sizes)} MiB per rank"
     elif protocol.kind == "vllm":
-        detail = "no: full bytes every sync (the vLLM worker extension takes full syncs)"
+        detail = (
+            "no: full bytes every sync; start vLLM with WEIGHTSYNC_DELTA_REGION_MB=N in its "
+            "environment for deltas"
+        )
     elif protocol.kind == "sglang":
         detail = (
             f"no: full bytes every sync; start SGLang with --custom-weight-loader "

@@ -336,16 +336,25 @@ class ReplicaSet:
         if not missing or url in self._warned:
             return
         self._warned.add(url)
+        consequences = []
+        if WEIGHT_UPDATE_LEASE in missing:
+            consequences.append(
+                "its sessions are not fenced (a trainer that dies mid-sync leaves it paused "
+                "with a session open until a later update ends it, and another client may end "
+                "or resume it)"
+            )
+        if WEIGHT_UPDATE_DIGEST in missing:
+            consequences.append(
+                "it cannot verify what arrived (a sync it reports done is not checked against "
+                "the trainers' digests)"
+            )
         logger.warning(
-            "replica %s (%s) does not take %s: its sessions are not fenced (a trainer that "
-            "dies mid-sync leaves it paused with a session open until a later update ends "
-            "it, and another client may end or resume it) and it cannot verify what arrived "
-            "(a sync it reports done is not checked against the trainers' digests); this "
-            "manager keeps those rules on its side: it never resumes a replica it wrote to "
-            "part-way, and labels are monotonic",
+            "replica %s (%s) does not take %s: %s; this manager keeps those rules on its "
+            "side: it never resumes a replica it wrote to part-way, and labels are monotonic",
             url,
             protocol.describe(),
             " or ".join(missing),
+            " and ".join(consequences),
         )
 
 
