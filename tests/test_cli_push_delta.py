@@ -22,8 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
 
 from servers import laid_out_checksums, serve_replicas, served_checksums
+from weightsync.cli.main import app
 from weightsync.testing.presets import preset_config, write_random_checkpoint
 from weightsync.testing.reference import greedy_tokens, served_tokens
 
@@ -166,21 +168,29 @@ def test_a_delta_between_checkpoints_lands_only_on_replicas_that_serve_the_base(
         _assert_serves(new, [a])
 
 
+def _push_here(*args: str | Path):
+    """`weightsync push ARGS` in this process, for input refused before any replica is
+    contacted (the pushes above run the command in a process of its own)."""
+    env = {"WEIGHTSYNC_API_KEY": API_KEY, "MC_LOG_LEVEL": "ERROR", "COLUMNS": "500"}
+    args = (*map(str, args), "--transport", "tcp")
+    return CliRunner().invoke(app, ["push", *args], env=env)
+
+
 def test_checkpoints_that_differ_exit_2_before_any_replica_is_contacted(checkpoints) -> None:
     unreachable = "http://127.0.0.1:1"
     new, other_shape = checkpoints["new"], checkpoints["other_shape"]
-    shaped = _push(new, "--delta-from", other_shape, "--replica", unreachable)
-    assert shaped.returncode == 2, shaped.stderr
+    shaped = _push_here(new, "--delta-from", other_shape, "--replica", unreachable)
+    assert shaped.exit_code == 2, shaped.stderr
     assert "'model.norm.weight'" in shaped.stderr and "[64]" in shaped.stderr
     assert unreachable not in shaped.stderr
-    empty = _push(new, "--delta-from", new.parent, "--replica", unreachable)
-    assert empty.returncode == 2 and "no *.safetensors files" in empty.stderr
-    fallback = _push(new, "--full-fallback", "--replica", unreachable)
-    assert fallback.returncode == 2 and "--full-fallback is for a push with --delta-from" in (
+    empty = _push_here(new, "--delta-from", new.parent, "--replica", unreachable)
+    assert empty.exit_code == 2 and "no *.safetensors files" in empty.stderr
+    fallback = _push_here(new, "--full-fallback", "--replica", unreachable)
+    assert fallback.exit_code == 2 and "--full-fallback is for a push with --delta-from" in (
         fallback.stderr
     )
-    checked = _push(
+    checked = _push_here(
         new, "--delta-from", checkpoints["base"], "--check-weight-update-equal",
         "--replica", unreachable,
     )  # fmt: skip
-    assert checked.returncode == 2 and "cannot be combined with --delta-from" in checked.stderr
+    assert checked.exit_code == 2 and "cannot be combined with --delta-from" in checked.stderr

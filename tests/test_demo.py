@@ -11,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
+
+from weightsync.cli.main import app
 
 pytestmark = pytest.mark.slow
 # A glog line (Mooncake's): severity and date, time, thread, file:line].
@@ -30,6 +33,15 @@ def _demo(*args: str, timeout_s: float = 300) -> tuple[int, dict, str]:
     )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     return proc.returncode, json.loads(lines[-1]) if lines else {}, proc.stderr
+
+
+def _refused(*args: str) -> str:
+    """Run ``weightsync demo ARGS`` in this process (the checks run before anything starts)
+    and return its stderr, asserting it exits 2 as bad input. (`test_demo_refuses_bad_options`
+    runs one refusal as a user runs it, in a process of its own.)"""
+    result = CliRunner().invoke(app, ["demo", *args], env={"COLUMNS": "500"})
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    return result.stderr
 
 
 def test_demo_json_default_shape():
@@ -78,22 +90,24 @@ def test_demo_delta_writes_only_what_changed_after_the_first_sync():
     ],
 )
 def test_demo_refuses_delta_where_it_cannot_work(args, option, why):
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightsync", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "500"},
-    )
-    assert proc.returncode == 2
-    assert option in proc.stderr and why in proc.stderr, proc.stderr
+    stderr = _refused(*args)
+    assert option in stderr and why in stderr, stderr
 
 
-def test_demo_verbose_shows_the_native_log_lines():
-    code, result, stderr = _demo(
-        "--replicas", "1", "--rollout-tp", "1", "--trainer-ranks", "1", "--steps", "0",
+@pytest.fixture(scope="module")
+def deepseek_demo() -> tuple[int, dict, str]:
+    """One ``--verbose`` run of the demo at DeepSeek-V3's SGLang layouts: what the two tests
+    below check of it does not depend on one another (``--verbose`` changes what the trainer
+    ranks log, nothing else)."""
+    return _demo(
+        "--model", "tiny-deepseek", "--rollout-dp-attention", "2",
+        "--rollout-fused-shared-experts", "--rollout-fp8", "--steps", "1", "--replicas", "1",
         "--verbose",
     )  # fmt: skip
+
+
+def test_demo_verbose_shows_the_native_log_lines(deepseek_demo):
+    code, result, stderr = deepseek_demo
     assert code == 0 and result["ok"], stderr[-3000:]
     # Shown as log records of weightsync's, never as glog's own lines on stderr.
     assert NATIVE_RECORD.search(stderr), stderr[-3000:]
@@ -110,15 +124,12 @@ def test_demo_moe_with_expert_parallelism():
     assert result["ok"] and result["bit_exact"] and result["generation_match"]
 
 
-def test_demo_deepseek_as_sglang_serves_it_at_scale():
+def test_demo_deepseek_as_sglang_serves_it_at_scale(deepseek_demo):
     """A replica with two attention-DP groups and the shared expert fused into the experts,
     in block FP8 (tests/test_sync_deepseek_scale.py takes each layout apart): the first sync
     bit-exact after the checker's reset, generation equal to the trainer model's after every
     sync."""
-    code, result, stderr = _demo(
-        "--model", "tiny-deepseek", "--rollout-dp-attention", "2",
-        "--rollout-fused-shared-experts", "--rollout-fp8", "--steps", "1", "--replicas", "1",
-    )  # fmt: skip
+    code, result, stderr = deepseek_demo
     assert code == 0, stderr[-3000:]
     assert result["ok"] and result["bit_exact"] and result["generation_match"]
     assert result["rollout_dp_attention"] == 2
@@ -147,34 +158,19 @@ def test_demo_megatron_trainer_syncs_from_its_slices():
     ],
 )
 def test_demo_refuses_bad_trainer_options(args, option):
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightsync", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert option in proc.stderr
+    stderr = _refused(*args)
+    assert option in stderr, stderr
 
 
-def test_demo_megatron_trainer_without_megatron_core_says_how_to_install_it():
-    # As in an environment without megatron-core: no `megatron` package can be imported.
-    run_demo = (
-        "import sys; sys.modules['megatron'] = None; "
-        "sys.argv = ['weightsync', 'demo', '--trainer', 'megatron']; "
-        "from weightsync.cli.main import app; app()"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", run_demo],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "500"},
-    )
-    assert proc.returncode == 2
-    assert "./scripts/setup --megatron" in proc.stderr, proc.stderr
+def test_demo_megatron_trainer_without_megatron_core_says_how_to_install_it(monkeypatch):
+    # As in an environment without megatron-core: no `megatron` package can be imported
+    # (nor found, even were it imported already).
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    stderr = _refused("--trainer", "megatron")
+    assert "./scripts/setup --megatron" in stderr, stderr
     pip = f"{sys.executable} -m pip install --ignore-requires-python megatron-core=="
-    assert pip in proc.stderr, proc.stderr
+    assert pip in stderr, stderr
 
 
 def test_demo_refuses_bad_options():
@@ -197,15 +193,8 @@ def test_demo_refuses_bad_options():
     ],
 )
 def test_demo_refuses_deepseek_layouts_elsewhere(args, option):
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightsync", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "500"},
-    )
-    assert proc.returncode == 2
-    assert option in proc.stderr, proc.stderr
+    stderr = _refused(*args)
+    assert option in stderr, stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -246,9 +246,11 @@ def test_dead_frozen_and_busy_replicas_are_dropped_and_the_healthy_one_updated(
     record("dead + frozen + busy replica at pause", "dropped; healthy one updated", took)
 
 
-def test_a_replica_frozen_mid_push_fails_alone(checkpoint, tmp_path) -> None:
-    with serve_replicas(checkpoint, num_replicas=2, log_dir=tmp_path) as (healthy, frozen):
-        urls = [healthy.url, frozen.url]
+def test_a_replica_frozen_mid_push_fails_alone(replica, checkpoint, tmp_path) -> None:
+    # The module's replica is the healthy one; the one frozen is this test's own.
+    healthy = replica
+    with serve_replicas(checkpoint, log_dir=tmp_path) as (frozen,):
+        urls = [healthy, frozen.url]
         config = sync_config(check_finite="never")
         with ws.TrainerSync(config, hf_config=TINY, replicas=urls) as sync:
             sync.sync(ModelExport(random_model(TINY, seed=1)))
@@ -266,9 +268,9 @@ def test_a_replica_frozen_mid_push_fails_alone(checkpoint, tmp_path) -> None:
                 os.killpg(frozen.process.pid, signal.SIGCONT)
             error = caught.value
             assert set(error.failed) == {frozen.url}
-            assert error.report.replicas == (healthy.url,)
-            assert error.report.verified == (healthy.url,)
-            assert serves(healthy.url) and version_of(healthy.url) == error.report.version
+            assert error.report.replicas == (healthy,)
+            assert error.report.verified == (healthy,)
+            assert serves(healthy) and version_of(healthy) == error.report.version
             assert sync.manager is not None and frozen.url in sync.manager.dirty_replicas
             assert took < 5.0 + 3 * 3.0, took  # one write timeout, a few lifecycle calls
             # Never serving what it half received: its lease ran out while it was stopped.

@@ -8,18 +8,18 @@ serve`` and `ServeConfig` refuse, as SGLang refuses it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import weightsync as ws
 from servers import serve_replicas
 from weightsync.checkpoint import load_config_dict
+from weightsync.cli.main import app
 from weightsync.export import ModelExport
 from weightsync.layout import ParallelismConfig
 from weightsync.server.config import ServeConfig
@@ -187,12 +187,11 @@ def test_serve_config_derives_each_ranks_parallelism_as_sglang_does():
     ],
 )
 def test_serve_refuses_bad_layout_flags(tmp_path, args, message):
+    # In this process, as tests/test_serve_lifecycle.py runs serve's other refusals: they come
+    # before anything starts (and with an empty config.json, a serve that went on would fail).
     (tmp_path / "config.json").write_text("{}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightsync", "serve", "--model", str(tmp_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = CliRunner().invoke(
+        app, ["serve", "--model", str(tmp_path), *args], env={"COLUMNS": "500"}
     )
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr, proc.stderr
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert message in result.stderr, result.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,6 +19,15 @@ from weightsync.manager.collective import Collective, NoPush, PushOrder, SyncFai
 from weightsync.testing.presets import preset_config, random_model, write_random_checkpoint
 
 TINY = preset_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def replica_url(tmp_path_factory) -> Iterator[str]:
+    """One tp-1 replica for the tests that sync into one (each from a manager of its own)."""
+    folder = tmp_path_factory.mktemp("replica")
+    checkpoint = write_random_checkpoint(folder / "ckpt", TINY, seed=1)
+    with serve_replicas(checkpoint, tp=1, log_dir=folder) as (replica,):
+        yield replica.url
 
 
 def test_the_front_door_names_resolve_lazily() -> None:
@@ -61,7 +71,7 @@ def test_messages_out_of_step_are_refused() -> None:
         collective.broadcast(SyncFailed(error=ValueError("x")), (PushOrder,))
 
 
-def _slow_follower(rank: int, group, checkpoint: str, url: str) -> float | None:
+def _slow_follower(rank: int, group, url: str) -> float | None:
     """Rank 1 joins the broadcast that orders the push 1.5 s late; rank 0 measures the
     longest stall of its manager's event loop meanwhile."""
     import weightsync as ws
@@ -108,12 +118,8 @@ def _slow_follower(rank: int, group, checkpoint: str, url: str) -> float | None:
 
 
 @pytest.mark.slow
-def test_the_driver_loop_never_blocks_on_a_collective(tmp_path) -> None:
-    checkpoint = write_random_checkpoint(tmp_path / "ckpt", TINY, seed=1)
-    with serve_replicas(checkpoint, tp=1, log_dir=tmp_path) as replicas:
-        stall, _ = run_in_process_group(
-            2, _slow_follower, str(checkpoint), replicas[0].url, timeout_s=180
-        )
+def test_the_driver_loop_never_blocks_on_a_collective(replica_url) -> None:
+    stall, _ = run_in_process_group(2, _slow_follower, replica_url, timeout_s=180)
     # A collective run on the loop would have stalled it for the follower's 1.5 s.
     assert stall < 1.0, stall
 
@@ -167,19 +173,15 @@ def test_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout() -> Non
     )
 
 
-def test_a_sync_runs_from_plain_code_and_from_inside_an_event_loop(tmp_path) -> None:
+def test_a_sync_runs_from_plain_code_and_from_inside_an_event_loop(replica_url) -> None:
     # The manager's loop runs in the calling thread while a call lasts; a caller that is
     # itself async code (its own loop running in this thread) gets it run in a thread.
-    checkpoint = write_random_checkpoint(tmp_path / "ckpt", TINY, seed=4)
     config = ws.SyncConfig(
         sender=ws.SenderConfig(bucket_bytes=1 << 20), transport=ws.MooncakeConfig(timeout_s=10)
     )
     export = ws.ModelExport(random_model(TINY, seed=4))
-    with (
-        serve_replicas(checkpoint, tp=1, log_dir=tmp_path) as (replica,),
-        ws.TrainerSync(config, hf_config=TINY, replicas=[replica.url]) as sync,
-    ):
-        assert sync.sync(export).verified == (replica.url,)
+    with ws.TrainerSync(config, hf_config=TINY, replicas=[replica_url]) as sync:
+        assert sync.sync(export).verified == (replica_url,)
 
         async def from_async_code() -> tuple[str, ...]:
             report = sync.sync(export)
@@ -187,5 +189,5 @@ def test_a_sync_runs_from_plain_code_and_from_inside_an_event_loop(tmp_path) -> 
             assert len(sync.run(sync.manager.targets())) == 1
             return report.verified
 
-        assert asyncio.run(from_async_code()) == (replica.url,)
-        assert sync.sync(export).verified == (replica.url,)
+        assert asyncio.run(from_async_code()) == (replica_url,)
+        assert sync.sync(export).verified == (replica_url,)
