@@ -16,7 +16,7 @@ import torch
 import weightsync as ws
 from conftest import SGLANG_API_KEY
 from weightsync.errors import TransferError
-from weightsync.testing.reference import greedy_tokens, served_tokens
+from weightsync.testing.reference import greedy_tokens, served_tokens, train_step
 from weightsync.testing.transports import FailsAfter
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
@@ -24,15 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 PROMPTS = ((1, 17, 42, 7), (600, 2, 31, 99, 5))
 NEW_TOKENS = 6
-
-
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
-    batch = torch.randint(
-        0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed)
-    )
-    optimizer.zero_grad()
-    model(input_ids=batch, labels=batch).loss.backward()
-    optimizer.step()
 
 
 def _served(urls: list[str]) -> dict[str, list[list[int]]]:
@@ -62,7 +53,7 @@ def test_trainer_syncs_into_real_sglang(sglang_servers, sglang_checkpoint) -> No
             versions = []
             for step in range(3):
                 if step:
-                    _train_step(model, optimizer, seed=step)
+                    train_step(model, optimizer, seed=step)
                 if step == 2:
                     sync.add_replica(second.url)
                 report = sync.sync(export, version=f"s{step}")
@@ -78,7 +69,7 @@ def test_trainer_syncs_into_real_sglang(sglang_servers, sglang_checkpoint) -> No
             assert manager_kinds(sync) == {first.url: "sglang", second.url: "sglang"}
 
             # A write fails part-way: the replicas stay paused, and the error says so.
-            _train_step(model, optimizer, seed=3)
+            train_step(model, optimizer, seed=3)
             transport.remaining = 5
             with pytest.raises(TransferError, match="injected failure") as failed:
                 sync.sync(export, version="broken")

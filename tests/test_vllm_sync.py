@@ -24,7 +24,7 @@ import weightsync as ws
 from vllm_cpu.launch import VLLMServer
 from weightsync.control.vllm import VLLMClient
 from weightsync.errors import TransferError
-from weightsync.testing.reference import greedy_tokens
+from weightsync.testing.reference import greedy_tokens, train_step
 from weightsync.testing.transports import FailsAfter
 from weightsync.transport import MooncakeConfig, MooncakeTransport
 
@@ -41,15 +41,6 @@ def vllm_replicas(vllm_tp1, vllm_tp2, vllm_checkpoint) -> list[VLLMServer]:
     result = _push(vllm_checkpoint, [vllm_tp1, vllm_tp2], "--version", "restored")
     assert result["ok"], result
     return [vllm_tp1, vllm_tp2]
-
-
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
-    batch = torch.randint(
-        0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed)
-    )
-    optimizer.zero_grad()
-    model(input_ids=batch, labels=batch).loss.backward()
-    optimizer.step()
 
 
 def _served(servers: list[VLLMServer]) -> dict[str, list[list[int]]]:
@@ -143,7 +134,7 @@ def test_trainer_syncs_into_real_vllm(vllm_replicas, vllm_checkpoint) -> None:
         ) as sync:
             for step in range(3):
                 if step:
-                    _train_step(model, optimizer, seed=step)
+                    train_step(model, optimizer, seed=step)
                 if step == 2:
                     sync.add_replica(second.url)
                 report = sync.sync(export, version=f"s{step}")
@@ -158,7 +149,7 @@ def test_trainer_syncs_into_real_vllm(vllm_replicas, vllm_checkpoint) -> None:
             assert kinds == {first.url: "vllm", second.url: "vllm"}
 
             # A write fails part-way: the replicas stay paused, and the error says so.
-            _train_step(model, optimizer, seed=3)
+            train_step(model, optimizer, seed=3)
             transport.remaining = 5
             with pytest.raises(TransferError, match="injected failure") as failed:
                 sync.sync(export, version="broken")
@@ -206,7 +197,7 @@ def test_mixed_fleet_takes_the_same_sync(vllm_replicas, vllm_checkpoint, tmp_pat
             transport=transport,
         ) as sync:
             for step in range(2):
-                _train_step(model, optimizer, seed=10 + step)
+                train_step(model, optimizer, seed=10 + step)
                 sync.sync(ws.ModelExport(model), version=f"m{step}")
                 expected = greedy_tokens(model, torch.float32, PROMPTS, NEW_TOKENS)
                 assert _served([server]) == {server.url: expected}, step

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,6 +58,19 @@ class DeltaResult:
     def verified(self) -> bool:
         """Every payload applied and every expected checksum matched."""
         return self.error is None and not self.mismatched
+
+    def to_dict(self) -> dict[str, Any]:
+        """One rank's reply to an apply-delta call (the fields of
+        `weightsync.control.models.ApplyDeltaRank`)."""
+        return {
+            "num_elements": self.num_elements,
+            "mismatched": list(self.mismatched),
+            "checksums": self.checksums,
+            "error": self.error,
+            "verified": self.verified,
+            "seconds": self.seconds,
+            "check": self.check,
+        }
 
 
 class DeltaRegion:

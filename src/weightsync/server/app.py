@@ -67,7 +67,6 @@ from weightsync.control.models import (
     WeightVersionResponse,
 )
 from weightsync.control.protocol import WEIGHT_SYNC_FUSED
-from weightsync.receiver.delta import DeltaResult
 from weightsync.server.controller import ReplicaController, SessionGrant, StepRefusedError
 from weightsync.server.direct import DirectApp, DirectRoute
 from weightsync.server.extensions import ServerExtension
@@ -404,7 +403,7 @@ def create_main_app(
             if exc.status_code != 400:
                 raise
             return success_body(False, str(exc))
-        replies = {str(rank): _delta_reply(result) for rank, result in enumerate(results)}
+        replies = {str(rank): result.to_dict() for rank, result in enumerate(results)}
         if problem is not None:
             return success_body(False, problem, ranks=replies)
         num_elements = sum(result.num_elements for result in results)
@@ -424,19 +423,6 @@ def create_main_app(
     for extension in extensions:
         extension.add_routes(app, controller, api_key=api_key)
     return app
-
-
-def _delta_reply(result: DeltaResult) -> dict[str, Any]:
-    """One rank's entry of ``/weightsync/apply_delta``'s ``ranks``."""
-    return {
-        "num_elements": result.num_elements,
-        "mismatched": list(result.mismatched),
-        "checksums": result.checksums,
-        "error": result.error,
-        "verified": result.verified,
-        "seconds": result.seconds,
-        "check": result.check,
-    }
 
 
 # A fused call's refusals: a step's 400 (or 503), or 504 past its budget, as the step body.

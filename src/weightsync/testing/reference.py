@@ -82,3 +82,14 @@ async def served_tokens(
 
     results = await asyncio.gather(*(one(url) for url in urls))
     return dict(zip(urls, results, strict=True))
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One real optimizer step of a transformers causal LM on a seeded random batch (two
+    sequences of 12 tokens, the labels the inputs)."""
+    batch = torch.randint(
+        0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed)
+    )
+    optimizer.zero_grad()
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()

@@ -211,16 +211,7 @@ class WorkerExtension:
         result = receiver.agent.apply_delta(
             payloads, expected, check=str(request.get("check") or "changes")
         )
-        reply: dict[str, Any] = {
-            "rank": rank,
-            "num_elements": result.num_elements,
-            "mismatched": list(result.mismatched),
-            "checksums": result.checksums,
-            "error": result.error,
-            "verified": result.verified,
-            "seconds": result.seconds,
-            "check": result.check,
-        }
+        reply: dict[str, Any] = {"rank": rank, **result.to_dict()}
         if not result.verified:
             reply["success"] = False
             reply["message"] = f"tp rank {rank}: the delta did not verify: " + (
