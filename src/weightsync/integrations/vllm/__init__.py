@@ -88,6 +88,9 @@ the session; generation is what shows the latter. The init reply's ``checker`` s
 The init's reload leaves every weight as the checkpoint on disk has it: call it before the
 first sync (weights written by other means before it are lost).
 
+Mooncake's threads are started with every CPU the process may use: vLLM's CPU build pins a
+worker to the cores of its OpenMP threads, and threads started there would share them.
+
 Costs
 -----
 - First contact: one read of the checkpoint from disk per rank (vLLM's reload), the

@@ -9,13 +9,14 @@ worker, made by the first successful `weightsync_init`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -220,6 +221,32 @@ class WorkerExtension:
         return reply
 
 
+@contextlib.contextmanager
+def _every_cpu() -> Iterator[None]:
+    """Let the threads started inside the block run on every CPU the process may use.
+
+    vLLM's CPU build pins each worker's thread to the cores of its OpenMP threads
+    (``VLLM_CPU_OMP_THREADS_BIND``), and a thread inherits its creator's CPUs: Mooncake's
+    transfer threads, started from here, would otherwise share those cores (on a 2-core
+    machine, a third of the push rate: 0.21 s against 0.06 s for 133 MB). The worker's own
+    thread gets its CPUs back at the end of the block.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    pinned = os.sched_getaffinity(0)
+    try:
+        # The kernel keeps only the CPUs the process's cpuset allows.
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:
+        pinned = None
+    try:
+        yield
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+
+
 def _delta_region_bytes(request: Mapping[str, Any]) -> int:
     """The delta region's size: the request's ``delta_region_bytes``, else
     ``WEIGHTSYNC_DELTA_REGION_MB`` MiB from vLLM's environment (the trainer side's first call
@@ -317,16 +344,17 @@ class _Receiver:
         dtype = str(config.model_config.dtype).removeprefix("torch.")
         layout_checked = _check_layout(config.model_config.hf_config, parallelism, dtype, params)
         host = request.get("host") or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
-        transport = MooncakeTransport(
-            MooncakeConfig(
-                hostname=str(host),
-                protocol=str(request.get("protocol") or "tcp"),
-                device_name=os.environ.get("MOONCAKE_DEVICE", ""),
-                timeout_s=float(request.get("timeout_s") or 30.0),
-                # The worker's stderr is vLLM's to format; Mooncake's lines stay on it.
-                capture_native_logs=False,
+        with _every_cpu():
+            transport = MooncakeTransport(
+                MooncakeConfig(
+                    hostname=str(host),
+                    protocol=str(request.get("protocol") or "tcp"),
+                    device_name=os.environ.get("MOONCAKE_DEVICE", ""),
+                    timeout_s=float(request.get("timeout_s") or 30.0),
+                    # The worker's stderr is vLLM's to format; Mooncake's lines stay on it.
+                    capture_native_logs=False,
+                )
             )
-        )
         receiver = cls(staging)
         try:
             receiver.agent = RolloutAgent(
