@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from vllm_cpu.layout_cases import MODELS
 from weightsync.layout import rank_layout
 from weightsync.layout.parallelism import ParallelismConfig
 from weightsync.layout.vllm import (
@@ -18,26 +19,8 @@ from weightsync.layout.vllm import (
     weightsync_name,
 )
 
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "vocab_size": 1000,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
+# The layout cases' Qwen3-MoE with every layer's MLP sparse (the names below are layer 0's).
+QWEN3_MOE = {**MODELS["qwen3_moe"], "mlp_only_layers": []}
 
 RENAMED = [
     (

@@ -50,6 +50,9 @@ REPLICA_CHECKS = (
 # SGLang versions the control protocol was checked against (tests/conformance.py).
 TESTED_SGLANG = ("0.5.23",)
 TESTED_VLLM = ("0.32.0",)
+# The engines whose control protocol was checked, by `ReplicaProtocol.kind`: their name and
+# the versions checked.
+_TESTED = {"sglang": ("SGLang", TESTED_SGLANG), "vllm": ("vLLM", TESTED_VLLM)}
 # Below this, registering a large model's memory for RDMA fails (the NIC pins it).
 _MEMLOCK_FLOOR_BYTES = 1 << 30
 _MOONCAKE_DISTRIBUTIONS = (
@@ -399,25 +402,17 @@ async def _replica_checks(url: str, options: DoctorOptions, transport: Any) -> l
 
 
 def _protocol_row(protocol: ReplicaProtocol) -> tuple[str, str, str, str]:
-    if protocol.kind == "sglang":
-        tested = protocol.version in TESTED_SGLANG
-        return (
-            "protocol",
-            OK if tested else WARN,
-            protocol.describe()
-            + ("" if tested else f"; checked against SGLang {', '.join(TESTED_SGLANG)}"),
-            "" if tested else f"use SGLang {TESTED_SGLANG[-1]}, or check with a test sync",
-        )
-    if protocol.kind == "vllm":
-        tested = protocol.version in TESTED_VLLM
-        return (
-            "protocol",
-            OK if tested else WARN,
-            protocol.describe()
-            + ("" if tested else f"; checked against vLLM {', '.join(TESTED_VLLM)}"),
-            "" if tested else f"use vLLM {TESTED_VLLM[-1]}, or check with a test sync",
-        )
-    return ("protocol", OK, protocol.describe(), "")
+    if protocol.kind not in _TESTED:
+        return ("protocol", OK, protocol.describe(), "")
+    engine, versions = _TESTED[protocol.kind]
+    tested = protocol.version in versions
+    return (
+        "protocol",
+        OK if tested else WARN,
+        protocol.describe()
+        + ("" if tested else f"; checked against {engine} {', '.join(versions)}"),
+        "" if tested else f"use {engine} {versions[-1]}, or check with a test sync",
+    )
 
 
 def _delta_row(
