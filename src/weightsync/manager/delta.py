@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from weightsync.control.protocol import WEIGHT_SYNC_DELTA
 from weightsync.delta_wire import DeltaReply, Remote, ReplyStatus, serves_delta_loader
@@ -43,6 +45,8 @@ from weightsync.plan import TargetRank
 from weightsync.sender import DeltaWrite, wrap_int64
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 RankChecksums = Mapping[int, Mapping[str, int]]
 
@@ -72,6 +76,10 @@ class DeltaChoice:
         loaders: the replicas among them that take delta calls through SGLang's custom
             weight loader (they read their payloads; their full writes are checked against
             the trainers' checksums).
+        proved_s: per replica that was asked to prove its base, the seconds its checksums
+            took (the driver's wall time of the call).
+        applied_s: per delta replica that applied its delta, the seconds applying and
+            checking took on it (its slowest rank's own time).
     """
 
     token: int
@@ -79,6 +87,8 @@ class DeltaChoice:
     full: dict[str, str] = field(default_factory=dict)
     after: dict[str, RankChecksums] = field(default_factory=dict)
     loaders: frozenset[str] = frozenset()
+    proved_s: dict[str, float] = field(default_factory=dict)
+    applied_s: dict[str, float] = field(default_factory=dict)
 
     def sessions(self, targets: Sequence[TargetRank]) -> frozenset[str]:
         """The session ids of the targets that take a delta."""
@@ -207,7 +217,9 @@ class DeltaSyncs:
                 choice.full[url] = "it missed the sync the trainers' reference holds"
             else:
                 provable.append(url)
-        replies = await settled(self._checksums(update, url) for url in provable)
+        replies = await settled(
+            _timed(self._checksums(update, url), choice.proved_s, url) for url in provable
+        )
         for url, reply in zip(provable, replies, strict=True):
             if isinstance(reply, BaseException):
                 choice.full[url] = f"its checksums could not be read ({reply})"
@@ -309,6 +321,7 @@ class DeltaSyncs:
                     for rank, (w, expected) in ranks.items()
                 }
                 replies = await self._loader_call(url, by_replica[url], calls, finish=True)
+                choice.applied_s[url] = max((r.seconds for r in replies.values()), default=0.0)
                 return {rank: reply.checksums for rank, reply in replies.items()}
             client = self._replicas.clients[url]
             answers = await client.apply_delta(
@@ -317,6 +330,7 @@ class DeltaSyncs:
                 check=self._check,
                 timeout_s=self._timeout_s,
             )
+            choice.applied_s[url] = max((r.seconds for r in answers.values()), default=0.0)
             return {rank: reply.checksums for rank, reply in answers.items()}
 
         async def read_full(url: str) -> RankChecksums:
@@ -402,6 +416,15 @@ def replica_checksums(
     return out
 
 
+async def _timed(call: Awaitable[T], seconds: dict[str, float], url: str) -> T:
+    """`call`'s result; its wall time is kept in ``seconds[url]`` (also when it raises)."""
+    start = time.perf_counter()
+    try:
+        return await call
+    finally:
+        seconds[url] = time.perf_counter() - start
+
+
 def _first_difference(kept: RankChecksums, now: RankChecksums) -> str | None:
     """Where `now` differs from `kept` (a rank, or a parameter `kept` names), or None when
     equal. Parameters only `now` names are not compared: the trainers never write them (the
@@ -425,6 +448,10 @@ class ReplicaWrite:
         full_bytes: bytes a full write of it takes.
         density: changed elements over all its elements (a delta's; None for a full write).
         why_full: why it took full bytes (None for a delta).
+        prove_seconds: what proving its base took (its checksums of every parameter, read
+            before the push); None when it was not asked.
+        apply_seconds: what applying its delta and checking its checksums after took on
+            its slowest rank (None for a full write).
     """
 
     mode: str
@@ -432,6 +459,8 @@ class ReplicaWrite:
     full_bytes: int
     density: float | None = None
     why_full: str | None = None
+    prove_seconds: float | None = None
+    apply_seconds: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-able form."""
@@ -441,6 +470,8 @@ class ReplicaWrite:
             "full_bytes": self.full_bytes,
             "density": self.density,
             "why_full": self.why_full,
+            "prove_seconds": self.prove_seconds,
+            "apply_seconds": self.apply_seconds,
         }
 
 
@@ -474,6 +505,8 @@ def replica_writes(
                 num_bytes=sent,
                 full_bytes=sum(d.full_bytes for d in mine),
                 density=changed / elements if elements else 0.0,
+                prove_seconds=choice.proved_s.get(url),
+                apply_seconds=choice.applied_s.get(url),
             )
         else:
             why = choice.full.get(url, "it serves no delta syncs (or offers no delta region)")
@@ -482,5 +515,6 @@ def replica_writes(
                 num_bytes=sent,
                 full_bytes=full_per_replica.get(url, sent),
                 why_full=why,
+                prove_seconds=choice.proved_s.get(url),
             )
     return out
