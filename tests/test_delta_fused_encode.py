@@ -220,7 +220,19 @@ def test_a_tensor_the_bucket_cannot_take_is_encoded_alone(monkeypatch) -> None:
         "fuses_bucket",
         lambda ref, dtype, name, t: "mlp" not in name and fuses(ref, dtype, name, t),
     )
+    buckets, pushes = [], []
+    encode_bucket, push = delta.encode_bucket, delta.DeltaPush.push
+    monkeypatch.setattr(
+        delta,
+        "encode_bucket",
+        lambda ref, entries: buckets.append(entries) or encode_bucket(ref, entries),
+    )
+    monkeypatch.setattr(
+        delta.DeltaPush, "push", lambda self, *a, **k: pushes.append(1) or push(self, *a, **k)
+    )
     _sync_rounds(TINY, [(2, 1)], rounds=2)
+    # A tensor encoded alone does not cut the bucket before it short: one bucket a push.
+    assert buckets and len(buckets) <= len(pushes)
 
 
 def test_tensors_below_the_bucket_minimum_are_encoded_alone(monkeypatch) -> None:

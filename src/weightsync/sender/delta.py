@@ -224,9 +224,15 @@ class _Runs:
             for f in target.families
         )
 
-    def map(self, elements: torch.Tensor) -> tuple[torch.Tensor | slice, torch.Tensor]:
-        """``(positions in elements, destination elements)`` of the `elements` (ascending)
-        these runs cover; the positions may be a slice."""
+    def map(self, elements: torch.Tensor, numel: int) -> tuple[torch.Tensor | slice, torch.Tensor]:
+        """``(positions in elements, destination elements)`` of the `elements` (ascending,
+        of a tensor of `numel`) these runs cover; the positions may be a slice."""
+        if len(self.families) == 1:
+            src, _, dst, _, count, length = self.families[0]
+            if count == 1 and src == 0 and length >= numel:
+                # One run over the whole tensor (no split, as at tp 1): a shift, and no
+                # search, which on a GPU would wait for the device.
+                return slice(None), elements + dst
         if elements.device.type == "cpu":
             return self._map_host(elements)
         return self._map_device(elements)
@@ -397,6 +403,11 @@ class DeltaPush:
         names: list[str] = []
         taken, versions = pins.stream(names)
         num_elements = num_changed = 0
+        # Every tensor's changes, in the stream's order: a tensor the fused bucket takes has
+        # None until its bucket is encoded. The layouts take them in that order (`_file`),
+        # so that a parameter written from several tensors gets ascending elements, while
+        # a tensor encoded alone does not cut the bucket before it short.
+        pending: list[tuple[int, DeltaMap, str, Changes | None]] = []
         bucket: list[tuple[int, DeltaMap, str, torch.Tensor]] = []
         bucket_bytes = 0
         for hf_name, tensor in export:
@@ -418,18 +429,20 @@ class DeltaPush:
                 self.reference, delta_map.dtype, hf_name, tensor
             ):
                 bucket.append((index, delta_map, hf_name, tensor))
+                pending.append((index, delta_map, hf_name, None))
                 bucket_bytes += tensor.numel() * tensor.element_size()
                 if bucket_bytes >= BUCKET_BYTES:
-                    num_changed += self._encode_bucket(bucket, wanted, pieces)
+                    num_changed += self._encode_bucket(bucket, pending)
                     bucket, bucket_bytes = [], 0
+                    self._file(pending, wanted, pieces)
                 continue
-            # Alone, after the bucket before it: the layouts see the stream's order.
-            num_changed += self._encode_bucket(bucket, wanted, pieces)
-            bucket, bucket_bytes = [], 0
             changes = self.reference.encode(delta_map.dtype, hf_name, tensor)
             num_changed += changes.elements.numel()
-            self._collect(index, delta_map, hf_name, changes, wanted, pieces)
-        num_changed += self._encode_bucket(bucket, wanted, pieces)
+            pending.append((index, delta_map, hf_name, changes))
+            if not bucket:
+                self._file(pending, wanted, pieces)
+        num_changed += self._encode_bucket(bucket, pending)
+        self._file(pending, wanted, pieces)
         encoded = time.perf_counter()
         missing = by_name.keys() - set(names)
         if missing:
@@ -459,18 +472,38 @@ class DeltaPush:
     def _encode_bucket(
         self,
         bucket: Sequence[tuple[int, DeltaMap, str, torch.Tensor]],
-        wanted: set[tuple[int, int]],
-        pieces: dict[tuple[int, int, str], _Pieces],
+        pending: list[tuple[int, DeltaMap, str, Changes | None]],
     ) -> int:
-        """Encode `bucket`'s tensors in one fused pass and file their changes, in order;
-        the elements that changed."""
+        """Encode `bucket`'s tensors in one fused pass and put their changes in their places
+        in `pending` (the bucket's tensors are its entries still without changes, in
+        order); the elements that changed."""
         if not bucket:
             return 0
         entries = [(delta_map.dtype, hf_name, tensor) for _, delta_map, hf_name, tensor in bucket]
-        found = encode_bucket(self.reference, entries)
-        for (index, delta_map, hf_name, _), changes in zip(bucket, found, strict=True):
+        found = iter(encode_bucket(self.reference, entries))
+        changed = 0
+        for at, (index, delta_map, hf_name, changes) in enumerate(pending):
+            if changes is None:
+                changes = next(found)
+                changed += changes.elements.numel()
+                pending[at] = (index, delta_map, hf_name, changes)
+        return changed
+
+    def _file(
+        self,
+        pending: list[tuple[int, DeltaMap, str, Changes | None]],
+        wanted: set[tuple[int, int]],
+        pieces: dict[tuple[int, int, str], _Pieces],
+    ) -> None:
+        """File the changes of `pending`'s tensors under the layouts, in order, up to the
+        first still in a bucket; those filed leave `pending`."""
+        filed = 0
+        for index, delta_map, hf_name, changes in pending:
+            if changes is None:
+                break
             self._collect(index, delta_map, hf_name, changes, wanted, pieces)
-        return sum(changes.elements.numel() for changes in found)
+            filed += 1
+        del pending[:filed]
 
     def _collect(
         self,
@@ -490,7 +523,7 @@ class DeltaPush:
             runs = self._runs.get(id(target))
             if runs is None:
                 runs = self._runs[id(target)] = _Runs(target)
-            positions, elements = runs.map(changes.elements)
+            positions, elements = runs.map(changes.elements, changes.numel)
             if not elements.numel():
                 continue
             piece = pieces.setdefault((index, target.layout_id, target.param_name), _Pieces())
@@ -514,6 +547,7 @@ class DeltaPush:
         published = {t.session_id: t for ranks in plan.targets.values() for t in ranks}
         payloads: list[tuple[list[TargetRank], torch.Tensor]] = []
         per_target = dict.fromkeys(sessions, DeltaWrite())
+        device = self._payload_device(pieces)
         for index in range(len(maps)):
             part = _part(plan, index)
             full = _full_bytes(part)
@@ -533,8 +567,8 @@ class DeltaPush:
                 for target in mine:
                     per_target[target.session_id] += share
                 if sections:
-                    payloads.append((mine, encode_payload(sections, "cpu")))
-        buffer, places = self._stage([payload for _, payload in payloads])
+                    payloads.append((mine, encode_payload(sections, device)))
+        buffer, places = self._stage([payload for _, payload in payloads], device)
         failed: dict[str, str] = {}
         used: dict[str, int] = dict.fromkeys(sessions, 0)
         self._queue.start()
@@ -589,27 +623,53 @@ class DeltaPush:
             numel = target.weights_info[param_name][1]
             sections.append(Section(param_index=order[param_name], elements=elements, values=new))
             names.append(param_name)
-            moves.append(checksum_change(elements, old, new, numel=numel).cpu())
+            moves.append(checksum_change(elements, old, new, numel=numel))
             count += elements.numel()
-        changes = dict(zip(names, torch.stack(moves).tolist(), strict=True)) if moves else {}
+        # One host sync for every parameter's change where they lie on one device.
+        if len({m.device for m in moves}) == 1:
+            moved = torch.stack(moves).tolist()
+        else:
+            moved = [int(m) for m in moves]
+        changes = dict(zip(names, moved, strict=True))
         return sections, changes, count
 
-    def _stage(self, payloads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-        """Copy `payloads` into registered memory the transport reads; their offsets there."""
+    def _payload_device(self, pieces: Mapping[tuple[int, int, str], _Pieces]) -> torch.device:
+        """Where the payloads are laid out and staged: the GPU the changes lie on, where the
+        transport reads that GPU's memory (no copy through the host), else the host."""
+        for piece in pieces.values():
+            device = piece.elements[0].device
+            if device.type == "cuda" and self._transport.capabilities.reads("cuda", device.index):
+                return device
+            break
+        return torch.device("cpu")
+
+    def _stage(
+        self, payloads: list[torch.Tensor], device: torch.device
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Copy `payloads` into registered memory on `device` the transport reads; their
+        offsets there."""
         places, total = [], 0
         for payload in payloads:
             places.append(total)
             total += payload.numel()
         buffer = self._buffer
-        if buffer is None or buffer.numel() < total:
+        if buffer is None or buffer.numel() < total or buffer.device != device:
             if buffer is not None:
+                self._queue.drain()
                 self._transport.unregister(buffer.data_ptr())
+                self._buffer = None
             size = max(total, 1 << 20)
-            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            if device.type == "cuda":
+                buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            else:
+                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             self._transport.register(buffer.data_ptr(), buffer.numel())
             self._buffer = buffer
         for payload, place in zip(payloads, places, strict=True):
             buffer[place : place + payload.numel()].copy_(payload)
+        if device.type == "cuda":
+            # The transport reads the buffer from its own stream: the copies land first.
+            torch.cuda.current_stream(device).synchronize()
         return buffer, places
 
     def release(self) -> None:
