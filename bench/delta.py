@@ -18,6 +18,14 @@ reference in the rollout dtype (the bound of a CPU delta sync).
 
     python bench/delta.py                       # ~1 GB bf16 dense, 2 replicas x tp2, 2 ranks
     python bench/delta.py --quick               # tiny smoke run
+    python bench/delta.py --device cuda --preset dense-8b --replicas 1 --rollout-tp 1 \
+        --trainer-ranks 1 --trainer-pp 1 --bucket-mb 512   # colocated: both on GPU 0
+
+On CUDA the trainer rank and the replica share GPU 0 (``--rollout-gpu-offset``, 0 by
+default: colocated, as verl places them) and write over CUDA IPC; the reference stays in GPU
+memory beside the trainer's fp32 weights, AdamW's two moments and the replica. The table adds
+what proving the base (the replica's checksums of every parameter, before the push) and
+applying the delta (with its check) took, beside the full sync.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     MIB,
     PRESETS,
+    GpuCeiling,
     HostCeiling,
     log,
     median,
@@ -55,6 +64,8 @@ TRAINER_DTYPE = "float32"  # the trainer ranks' master weights, which encoding r
 def _delta_row(step: int, step_s: float, delta: dict, full: dict) -> dict[str, Any]:
     """What one step's delta sync did beside the full sync of the same weights."""
     writes = delta["writes"]
+    proved = [w["prove_seconds"] for w in writes.values() if w["prove_seconds"] is not None]
+    applied = [w["apply_seconds"] for w in writes.values() if w["apply_seconds"] is not None]
     modes = sorted({w["mode"] for w in writes.values()})
     sent = sum(w["bytes"] for w in writes.values())
     full_bytes = sum(w["full_bytes"] for w in writes.values())
@@ -70,6 +81,8 @@ def _delta_row(step: int, step_s: float, delta: dict, full: dict) -> dict[str, A
         "density": max((w["density"] or 0.0) for w in writes.values()),
         "encode_s": max(d["encode_seconds"] for d in deltas),
         "wire_s": max(d["write_seconds"] for d in deltas),
+        "prove_s": max(proved, default=None),
+        "apply_s": max(applied, default=None),
         "reference_bytes": sum(d["reference_bytes"] for d in deltas),
         "delta_push_s": delta["phases"]["push"],
         "delta_finalize_s": delta["phases"]["finalize"],
@@ -90,7 +103,7 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
         4, -(-rollout_bytes // args.rollout_tp // 8 // MIB)
     )
     replicas = launch(args, model_dir, api_key, workdir / "logs")
-    ceiling: HostCeiling | None = None
+    ceiling: HostCeiling | GpuCeiling | None = None
     try:
         spec = TrainerSpec(
             config=config,
@@ -100,6 +113,8 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
             pp_size=args.trainer_pp,
             rollout_dtype=dtype,
             trainer_dtype=TRAINER_DTYPE,
+            device=args.device,
+            transport=args.transport,
             seed=args.seed,
             bucket_bytes=args.bucket_mb * MIB,
             num_workers=args.num_workers,
@@ -124,9 +139,14 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
                 )
                 for why in row["why_full"]:
                     log(f"  full bytes because {why}")
-            # Encoding reads the new bytes (the trainer's fp32 tensors, cast on the way) and
-            # the reference (the rollout dtype): memcpy over both, per rank.
-            per_rank = (model_bytes(config, TRAINER_DTYPE) + rollout_bytes) // args.trainer_ranks
+        # Encoding reads the new bytes (the trainer's fp32 tensors, cast on the way) and the
+        # reference (the rollout dtype): a copy of both, per rank, with the trainers stopped
+        # (on CUDA a same-GPU copy, on the host a memcpy).
+        per_rank = (model_bytes(config, TRAINER_DTYPE) + rollout_bytes) // args.trainer_ranks
+        if args.device == "cuda":
+            ceiling = GpuCeiling(per_rank, gpus=(0, 0), region_bytes=args.bucket_mb * MIB)
+            memcpy_s = median([ceiling.measure()["peer_copy"] for _ in range(3)])
+        else:
             ceiling = HostCeiling(per_rank)
             memcpy_s = median([ceiling.memcpy() for _ in range(3)])
         return {
@@ -136,6 +156,7 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
             "replicas": args.replicas,
             "rollout_tp": args.rollout_tp,
             "trainer_ranks": args.trainer_ranks,
+            "device": args.device,
             "lr": args.lr,
             "delta_region_mb": args.delta_region_mb,
             "memcpy_s_per_rank": memcpy_s,
@@ -152,6 +173,7 @@ def run(args: argparse.Namespace, config: dict, workdir: Path) -> dict[str, Any]
 def print_result(result: dict[str, Any]) -> None:
     """The per-step table and the ratios against the full sync."""
     rows = result["rows"]
+    copy = "GPU copy" if result.get("device") == "cuda" else "memcpy"
     memcpy_gbps = result["encode_bytes_per_rank"] / result["memcpy_s_per_rank"] / 1e9
     table = []
     for row in rows:
@@ -165,6 +187,8 @@ def print_result(result: dict[str, Any]) -> None:
                 f"{row['bytes_fraction']:.2%}",
                 f"{row['encode_s']:.3f} ({encode_gbps / memcpy_gbps:.0%})",
                 f"{row['wire_s']:.4f}",
+                _seconds(row["prove_s"]),
+                _seconds(row["apply_s"]),
                 f"{row['full_push_s']:.3f}",
                 f"{row['full_push_s'] / row['wire_s']:.0f}x",
                 f"{row['delta_s']:.3f}",
@@ -176,15 +200,17 @@ def print_result(result: dict[str, Any]) -> None:
         f"{result['workload']}: {result['rollout_bytes'] / 1e9:.2f} GB, "
         f"{result['replicas']} replicas x tp{result['rollout_tp']}, "
         f"{result['trainer_ranks']} trainer ranks, AdamW lr {result['lr']:g}; "
-        f"memcpy {memcpy_gbps:.1f} GB/s",
+        f"{copy} {memcpy_gbps:.1f} GB/s",
         [
             "step",
             "mode",
             "density",
             "MB sent",
             "of full",
-            "encode s (of memcpy)",
+            f"encode s (of {copy})",
             "delta wire s",
+            "prove s",
+            "apply s",
             "full push s",
             "wire ratio",
             "delta sync s",
@@ -193,6 +219,10 @@ def print_result(result: dict[str, Any]) -> None:
         ],
         table,
     )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -210,6 +240,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="pipeline stages over the trainer ranks (each rank keeps fp32 master weights and "
         "AdamW's two moments for its stage: 2 stages halve that memory)",
     )
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--rollout-gpu-offset",
+        type=int,
+        default=0,
+        help="CUDA: the replicas' first GPU (0: colocated with the trainer rank on GPU 0)",
+    )
     p.add_argument("--dtype", default="bf16", choices=ROLLOUT_DTYPE_CHOICES)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--steps", type=int, default=3)
@@ -225,8 +262,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.replicas, args.steps, args.bucket_mb = 1, 1, 1
     args.preset = args.preset or ("tiny" if args.quick else "dense-1g")
     # What `launch` reads beside these.
-    args.rollout_ep, args.device, args.transport = 1, "cpu", "mooncake"
-    args.rollout_gpu_offset = None
+    args.rollout_ep = 1
+    args.transport = "cuda_ipc" if args.device == "cuda" else "mooncake"
+    if args.device == "cpu":
+        args.rollout_gpu_offset = None
+    if args.trainer_ranks % args.trainer_pp:
+        p.error("--trainer-pp must divide --trainer-ranks")
     return args
 
 
