@@ -21,6 +21,7 @@ SELECTORS: tuple[str, ...] = get_args(Selector)
 
 
 DELTA_CHECKS: tuple[str, ...] = ("changes", "full")
+DELTA_WHEN: tuple[str, ...] = ("always", "faster")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,10 +72,16 @@ class ControlConfig:
             (work in the changes); ``"full"`` reads every byte again, which also sees a stray
             write since the base was proven into an element no payload changed (see
             docs/concepts.md, "Delta syncs").
+        delta_when: when a replica that can prove its base takes a delta: ``"always"``, or
+            ``"faster"``: only while its last delta's push phase was shorter than its last
+            full write's, as measured in this driver's own syncs (over a link as fast as
+            a same-GPU or NVLink copy, full bytes cost less than encoding a delta; behind
+            a NIC the delta wins), trying a delta again after
+            `weightsync.manager.delta.RETRY_DELTA_AFTER` full writes so chosen.
 
     Raises:
-        ValueError: an unknown pause mode, selector, delta check or event loop (or uvloop
-            where it is not installed), or a timeout that is not positive.
+        ValueError: an unknown pause mode, selector, delta check, delta policy or event
+            loop (or uvloop where it is not installed), or a timeout that is not positive.
     """
 
     api_key: str | None = None
@@ -91,6 +98,7 @@ class ControlConfig:
     event_loop: EventLoopKind = "auto"
     poll_replies_s: float | None = None
     delta_check: str = "changes"
+    delta_when: str = "always"
 
     def __post_init__(self) -> None:
         if self.pause_mode not in PAUSE_MODES:
@@ -102,6 +110,10 @@ class ControlConfig:
         if self.delta_check not in DELTA_CHECKS:
             raise ValueError(
                 f"ControlConfig.delta_check={self.delta_check!r}: choose one of {DELTA_CHECKS}"
+            )
+        if self.delta_when not in DELTA_WHEN:
+            raise ValueError(
+                f"ControlConfig.delta_when={self.delta_when!r}: choose one of {DELTA_WHEN}"
             )
         for name in ("http_timeout_s", "check_timeout_s", "lifecycle_timeout_s", "lease_s"):
             value = getattr(self, name)

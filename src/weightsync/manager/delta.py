@@ -51,6 +51,24 @@ T = TypeVar("T")
 RankChecksums = Mapping[int, Mapping[str, int]]
 
 
+RETRY_DELTA_AFTER = 8
+"""Full writes a replica takes under ``when="faster"`` (its deltas measured slower) before it
+takes a delta again: the density falls as the optimizer settles, and a link's load
+changes, so a choice made once is measured again."""
+
+
+@dataclass(slots=True)
+class _Timing:
+    """One replica's measured writes: the push phase of its last full write (and whether it
+    was steady: no plan built within it) and of its last delta (None until seen), and the
+    full writes it took since because deltas were slower."""
+
+    full_s: float | None = None
+    steady: bool = False
+    delta_s: float | None = None
+    held: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class DeltaBase:
     """What a replica verifiably holds: the push it got, and its checksums after it.
@@ -133,6 +151,10 @@ class DeltaSyncs:
         timeout_s: the deadline of each call.
         check: how replicas check after applying (``"changes"`` or ``"full"``,
             `ControlConfig.delta_check`).
+        when: ``"always"`` or ``"faster"`` (`ControlConfig.delta_when`): with ``"faster"``,
+            a replica whose last delta's push phase took at least as long as its last full
+            write's takes full bytes, without proving its base, until `RETRY_DELTA_AFTER`
+            such full writes have passed.
         loader: the calls into SGLang replicas started with the delta loader (None: such
             replicas take full bytes).
     """
@@ -143,13 +165,16 @@ class DeltaSyncs:
         *,
         timeout_s: float,
         check: str = "changes",
+        when: str = "always",
         loader: LoaderCalls | None = None,
     ) -> None:
         self._replicas = replicas
         self._timeout_s = timeout_s
         self._check = check
+        self._when = when
         self._loader = loader
         self._bases: dict[str, DeltaBase] = {}
+        self._timings: dict[str, _Timing] = {}
 
     def base(self, url: str) -> DeltaBase | None:
         """What replica `url` is known to hold, if anything."""
@@ -159,6 +184,7 @@ class DeltaSyncs:
         """Drop the bases of `urls` (removed, or no longer known to hold them)."""
         for url in urls:
             self._bases.pop(url, None)
+            self._timings.pop(url, None)
             if self._loader is not None:
                 self._loader.forget(url)
 
@@ -215,6 +241,8 @@ class DeltaSyncs:
                 choice.full[url] = "no verified base (new, or its last sync did not verify)"
             elif base.token != reference:
                 choice.full[url] = "it missed the sync the trainers' reference holds"
+            elif (slower := self._slower(url)) is not None:
+                choice.full[url] = slower
             else:
                 provable.append(url)
         replies = await settled(
@@ -377,10 +405,20 @@ class DeltaSyncs:
                 choice.after[url] = reply
         return dataclasses.replace(result, delta_verified=frozenset(verified)), failed
 
-    def record(self, update: OpenUpdate, verified: Collection[str], reference: int | None) -> None:
+    def record(
+        self,
+        update: OpenUpdate,
+        verified: Collection[str],
+        reference: int | None,
+        *,
+        push_s: float | None = None,
+    ) -> None:
         """Keep the checksums of the replicas `verified` as their bases, labelled with the
         push the trainers' reference now holds (`reference`, None: it holds none); every
-        other replica of `update` loses its base."""
+        other replica of `update` loses its base. `push_s`, the update's push phase, is
+        what a verified replica's write took (its delta, or its full bytes), for
+        ``when="faster"``; a full write in an update that fetched metadata (its plan built
+        within the phase) is not steady."""
         choice = update.delta
         for url in update.replicas:
             after = choice.after.get(url) if choice is not None else None
@@ -388,6 +426,38 @@ class DeltaSyncs:
                 self._bases[url] = DeltaBase(token=reference, checksums=after)
             else:
                 self._bases.pop(url, None)
+        if choice is None or push_s is None:
+            return
+        for url in verified:
+            timing = self._timings.setdefault(url, _Timing())
+            if url in choice.delta:
+                timing.delta_s, timing.held = push_s, 0
+            elif url in choice.full:
+                timing.full_s, timing.steady = push_s, not update.metadata_refreshed
+
+    def _slower(self, url: str) -> str | None:
+        """Why replica `url` takes full bytes though it could prove its base, under
+        ``when="faster"``: its last delta was no faster than its last full write, or no
+        full write of it was timed in a steady sync yet (the first also builds the plan:
+        one more full write times it); None when it takes a delta."""
+        timing = self._timings.get(url)
+        if self._when != "faster" or timing is None or timing.delta_s is None:
+            return None
+        if timing.full_s is None or not timing.steady:
+            return (
+                "a full write of it is timed once in a steady sync, to compare with its "
+                f"deltas ({timing.delta_s:.4f} s) (delta_when='faster')"
+            )
+        if timing.delta_s < timing.full_s or timing.held >= RETRY_DELTA_AFTER:
+            timing.held = 0
+            return None
+        timing.held += 1
+        return (
+            f"its last full write took {timing.full_s:.4f} s and its last delta "
+            f"{timing.delta_s:.4f} s (push phases, measured): over its link full bytes cost "
+            f"less (delta_when='faster'; a delta is tried again after {RETRY_DELTA_AFTER} "
+            "such full writes)"
+        )
 
     def adopt(self, url: str, base: DeltaBase) -> None:
         """Take `base` as what replica `url` must hold to take its next update as a delta:

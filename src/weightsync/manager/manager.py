@@ -130,6 +130,7 @@ class SyncManager:
             self._known,
             timeout_s=self._config.lifecycle_timeout_s,
             check=self._config.delta_check,
+            when=self._config.delta_when,
             loader=(
                 LoaderCalls(transport, timeout_s=self._config.lifecycle_timeout_s)
                 if isinstance(transport, MooncakeTransport)
@@ -484,7 +485,9 @@ class SyncManager:
         failed.update(finished.unfinished)
         live = tuple(u for u in live if u not in finished.unfinished)
         bit_exact = await self._check.compare(live, self._dirty)
-        self._deltas.record(update, finished.verified, reference=result.delta_token)
+        self._deltas.record(
+            update, finished.verified, reference=result.delta_token, push_s=t_pushed - update.opened
+        )
         self._dirty.difference_update(live)
         self._labels.hold(update.version, live)
         t_final = time.perf_counter()
