@@ -98,6 +98,7 @@ def bad_engine_kwargs_are_refused_by_name() -> None:
         ({"model_path": "/m", "server_actor_name": "srv_{replica}"}, "server_actor_name"),
         ({"model_path": "/m", "lifecycle_timeout_s": 0}, "lifecycle_timeout_s"),
         ({"model_path": "/m", "delta": "true"}, "delta must be true or false"),
+        ({"model_path": "/m", "delta_when": "sometimes"}, "delta_when='sometimes'"),
     ]
     for kwargs, expected in cases:
         try:

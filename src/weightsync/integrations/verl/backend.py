@@ -259,6 +259,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                 allow_quant_error=opts.check_weight_update_allow_quant_error,
                 manage_generation=False,
                 lifecycle_timeout_s=opts.lifecycle_timeout_s,
+                delta_when=opts.delta_when,
             ),
             transport=self._transport_config(),
             delta=opts.delta,

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from weightsync.manager.config import DELTA_WHEN
+
 TRANSPORTS: tuple[str, ...] = ("tcp", "rdma", "auto", "cuda_ipc")
 MIB = 1 << 20
 
@@ -40,6 +42,9 @@ class VerlOptions:
             hold it (``SyncConfig.delta``); SGLang as released proves it, and takes the
             delta, when started with ``--custom-weight-loader
             weightsync.integrations.sglang.apply_delta``, and takes full bytes otherwise.
+        delta_when: ``always`` or ``faster`` (``ControlConfig.delta_when``): with
+            ``faster`` a replica takes a delta only while its measured deltas beat its
+            measured full writes, so colocated rollouts (``cuda_ipc``) stay on full bytes.
 
     Raises:
         ValueError: an unknown key, a value of the wrong type or out of range, or a
@@ -57,6 +62,7 @@ class VerlOptions:
     server_actor_name: str = "sglang_server_{replica_rank}_{node_rank}"
     lifecycle_timeout_s: float = 30.0
     delta: bool = False
+    delta_when: str = "always"
 
     def __post_init__(self) -> None:
         where = "checkpoint_engine.engine_kwargs.weightsync"
@@ -88,6 +94,10 @@ class VerlOptions:
                 or not (value > 0 and math.isfinite(value))
             ):
                 raise ValueError(f"{where}.{name} must be a positive number, got {value!r}")
+        if self.delta_when not in DELTA_WHEN:
+            raise ValueError(
+                f"{where}.delta_when={self.delta_when!r}: choose one of {', '.join(DELTA_WHEN)}"
+            )
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"{where}.transport={self.transport!r}: choose one of {', '.join(TRANSPORTS)}"
