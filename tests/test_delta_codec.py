@@ -320,3 +320,42 @@ def test_an_unknown_check_is_refused_before_anything_is_written() -> None:
     with pytest.raises(ValueError, match="check must be one of"):
         apply_and_check([payload], params, expected, base=checksums(params), check="some")
     assert all(torch.equal(as_bits(params[n]), as_bits(kept[n])) for n in params)
+
+
+@pytest.mark.parametrize("batch", [1 << 24, 7, 1000])
+def test_batched_checksum_changes_equal_each_parameters_change(monkeypatch, batch) -> None:
+    """`checksum_changes` weighs many parameters' changes at once (on a GPU), a batch of
+    elements at a time; the result is each one's `checksum_change`, bit for bit: sizes with
+    and without a tail after the grid, an empty change, several element sizes, elements
+    inside the tail, a parameter split over batches."""
+    from weightsync import delta_codec
+    from weightsync.delta_codec import _batched_changes, checksum_changes
+
+    monkeypatch.setattr(delta_codec, "_BATCH_ELEMENTS", batch)
+
+    generator = torch.Generator().manual_seed(11)
+    changes = []
+    for numel, dtype in [
+        (CHECK_ROW_WORDS * 4 * 3, torch.int16),  # whole rows of words, no tail
+        (CHECK_ROW_WORDS * 4 * 2 + 77, torch.int16),  # a tail
+        (301, torch.int16),  # only a tail
+        (5000, torch.int8),
+        (CHECK_ROW_WORDS * 2 + 9, torch.int32),
+        (CHECK_ROW_WORDS + 3, torch.int64),
+        (4096, torch.int16),  # nothing changed
+    ]:
+        count = 0 if numel == 4096 else max(1, numel // 20)
+        elements = torch.randperm(numel, generator=generator)[:count].sort().values
+        info = torch.iinfo(dtype)
+        old = torch.randint(info.min, info.max, (count,), generator=generator, dtype=dtype)
+        new = torch.randint(info.min, info.max, (count,), generator=generator, dtype=dtype)
+        if count:
+            elements[-1] = numel - 1  # the last element, in the tail where there is one
+        changes.append((elements, old, new, numel))
+    expected = [int(checksum_change(e, o, n, numel=k)) for e, o, n, k in changes]
+    assert _batched_changes(changes, torch.device("cpu")).tolist() == expected
+    assert checksum_changes(changes).tolist() == expected
+    assert checksum_changes([]).numel() == 0
+    if torch.cuda.is_available():
+        on_gpu = [(e.cuda(), o.cuda(), n.cuda(), k) for e, o, n, k in changes]
+        assert checksum_changes(on_gpu).tolist() == expected

@@ -340,3 +340,43 @@ def test_the_host_and_device_run_maps_agree() -> None:
     assert pairs == {e: expected[e] for e in elements.tolist() if e in expected}
     host_pairs = sorted(zip(host[0].tolist(), host[1].tolist(), strict=True))
     assert host_pairs == sorted(zip(device[0].tolist(), device[1].tolist(), strict=True))
+
+
+def test_runs_map_the_same_on_device_ops_with_one_search_for_several() -> None:
+    """`_Runs.map`: the device path (torch ops, here run on the host), with the bounds of
+    several runs searched at once, maps the same elements as the host path; runs over a
+    whole tensor are a shift."""
+    from types import SimpleNamespace
+
+    from weightsync.sender.delta import _Runs
+
+    def runs(*families):
+        return _Runs(
+            SimpleNamespace(
+                families=[
+                    SimpleNamespace(
+                        src_start=s, src_step=st, dst_start=d, dst_step=ds, count=c, length=n
+                    )
+                    for s, st, d, ds, c, n in families
+                ]
+            )
+        )
+
+    numel = 64 * 48
+    elements = torch.randperm(numel, generator=torch.Generator().manual_seed(3))[:500].sort()[0]
+    split = [
+        runs((0, 48, 0, 24, 64, 24)),  # the first half of every row (tp 2, dim 1)
+        runs((24, 48, 0, 24, 64, 24)),  # the second half
+        runs((0, 0, 0, 0, 1, 1536), (1536, 0, 7, 0, 1, 100)),  # two contiguous runs
+    ]
+    bounds = [b for r in split for b in r.bounds(numel)]
+    found = iter(torch.searchsorted(elements, torch.tensor(bounds)).tolist())
+    for r in split:
+        host_pos, host_dst = r._map_host(elements)
+        dev_pos, dev_dst = r._map_device(elements, found)
+        assert torch.equal(torch.arange(len(elements))[host_pos], dev_pos)
+        assert torch.equal(host_dst, dev_dst)
+    whole = runs((0, 0, 5, 0, 1, numel))
+    assert whole.whole(numel) and whole.bounds(numel) == []
+    positions, destinations = whole.map(elements, numel, iter(()))
+    assert positions == slice(None) and torch.equal(destinations, elements + 5)

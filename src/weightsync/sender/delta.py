@@ -32,7 +32,7 @@ way.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from weightsync import delta_kernels
-from weightsync.delta_codec import Section, checksum_change, encode_payload
+from weightsync.delta_codec import Section, checksum_change, checksum_changes, encode_payload
 from weightsync.export.base import WeightExport
 from weightsync.layout.dtypes import DTYPE_SIZES
 from weightsync.plan.delta import DeltaMap, DeltaTarget, delta_maps
@@ -224,26 +224,51 @@ class _Runs:
             for f in target.families
         )
 
-    def map(self, elements: torch.Tensor, numel: int) -> tuple[torch.Tensor | slice, torch.Tensor]:
+    def whole(self, numel: int) -> bool:
+        """Whether these runs are one run over a whole tensor of `numel` (no split, as at
+        tp 1): mapping is then a shift, with no search."""
+        if len(self.families) != 1:
+            return False
+        src, _, _, _, count, length = self.families[0]
+        return count == 1 and src == 0 and length >= numel
+
+    def bounds(self, numel: int) -> list[int]:
+        """The source elements `map` searches for in a tensor of `numel`: each family's
+        first and end (none where the runs are `whole`)."""
+        if self.whole(numel):
+            return []
+        return [
+            bound
+            for src, step, _, _, count, length in self.families
+            for bound in (src, src + (count - 1) * step + length)
+        ]
+
+    def map(
+        self, elements: torch.Tensor, numel: int, found: Iterator[int] | None = None
+    ) -> tuple[torch.Tensor | slice, torch.Tensor]:
         """``(positions in elements, destination elements)`` of the `elements` (ascending,
-        of a tensor of `numel`) these runs cover; the positions may be a slice."""
-        if len(self.families) == 1:
-            src, _, dst, _, count, length = self.families[0]
-            if count == 1 and src == 0 and length >= numel:
-                # One run over the whole tensor (no split, as at tp 1): a shift, and no
-                # search, which on a GPU would wait for the device.
-                return slice(None), elements + dst
+        of a tensor of `numel`) these runs cover; the positions may be a slice. `found`
+        gives, in order, where each of `bounds` falls in `elements` (a search made for
+        several runs at once); without it each family is searched here."""
+        if self.whole(numel):
+            # A GPU's search would wait for the device.
+            return slice(None), elements + self.families[0][2]
         if elements.device.type == "cpu":
             return self._map_host(elements)
-        return self._map_device(elements)
+        return self._map_device(elements, found)
 
-    def _map_device(self, elements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _map_device(
+        self, elements: torch.Tensor, found: Iterator[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`map` with torch ops on the elements' device."""
         positions, destinations = [], []
         for src, step, dst, dst_step, count, length in self.families:
-            end = src + (count - 1) * step + length
-            bounds = torch.tensor([src, end], device=elements.device)
-            first, last = torch.searchsorted(elements, bounds).tolist()
+            if found is not None:
+                first, last = next(found), next(found)
+            else:
+                end = src + (count - 1) * step + length
+                bounds = torch.tensor([src, end], device=elements.device)
+                first, last = torch.searchsorted(elements, bounds).tolist()
             offset = elements[first:last] - src
             if count == 1:
                 positions.append(torch.arange(first, last, device=elements.device))
@@ -517,13 +542,24 @@ class DeltaPush:
         """File `changes` of one tensor under each wanted layout's parameters."""
         if not changes.elements.numel():
             return
+        chosen = []
         for target in delta_map.tensors[hf_name]:
             if (index, target.layout_id) not in wanted:
                 continue
             runs = self._runs.get(id(target))
             if runs is None:
                 runs = self._runs[id(target)] = _Runs(target)
-            positions, elements = runs.map(changes.elements, changes.numel)
+            chosen.append((target, runs))
+        found = None
+        if changes.elements.device.type != "cpu" and len(chosen) > 1:
+            # One search, and one wait for the device, for every target's runs (a fused
+            # experts tensor feeds hundreds of parameters).
+            bounds = [b for _, runs in chosen for b in runs.bounds(changes.numel)]
+            if bounds:
+                where = torch.tensor(bounds, device=changes.elements.device)
+                found = iter(torch.searchsorted(changes.elements, where).tolist())
+        for target, runs in chosen:
+            positions, elements = runs.map(changes.elements, changes.numel, found)
             if not elements.numel():
                 continue
             piece = pieces.setdefault((index, target.layout_id, target.param_name), _Pieces())
@@ -623,13 +659,13 @@ class DeltaPush:
             numel = target.weights_info[param_name][1]
             sections.append(Section(param_index=order[param_name], elements=elements, values=new))
             names.append(param_name)
-            moves.append(checksum_change(elements, old, new, numel=numel))
+            moves.append((elements, old, new, numel))
             count += elements.numel()
-        # One host sync for every parameter's change where they lie on one device.
-        if len({m.device for m in moves}) == 1:
-            moved = torch.stack(moves).tolist()
+        # Every parameter's change at once, and one host sync, where they lie on one device.
+        if len({elements.device for elements, *_ in moves}) == 1:
+            moved = checksum_changes(moves).tolist()
         else:
-            moved = [int(m) for m in moves]
+            moved = [int(checksum_change(e, o, n, numel=k)) for e, o, n, k in moves]
         changes = dict(zip(names, moved, strict=True))
         return sections, changes, count
 
