@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -824,107 +823,6 @@ def checksum_change(
     if elements.device.type == "cpu":
         return torch.tensor(_host_change(elements, old, new, rows, row_w, col_w, tail_w))
     return _device_change(elements, old, new, rows, row_w, col_w, tail_w)
-
-
-def checksum_changes(
-    changes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
-) -> torch.Tensor:
-    """`checksum_change` of each ``(elements, old, new, numel)`` of `changes` (one device,
-    any element sizes), as one int64 tensor on that device.
-
-    On a GPU the changes of all of them are weighed in a few launches over their
-    concatenation, the weights computed from each word's position (what `_weights`
-    tabulates per parameter size), rather than a dozen launches per parameter: a layout
-    has hundreds of parameters. On the host it is `checksum_change` of each.
-
-    Raises:
-        ValueError: `changes` lie on more than one device.
-    """
-    if not changes:
-        return torch.zeros(0, dtype=torch.int64)
-    devices = {elements.device for elements, _, _, _ in changes}
-    if len(devices) != 1:
-        raise ValueError(
-            f"checksum_changes takes changes on one device, got {sorted(map(str, devices))}"
-        )
-    (device,) = devices
-    if device.type == "cpu":
-        return torch.stack([checksum_change(e, o, n, numel=k) for e, o, n, k in changes])
-    return _batched_changes(changes, device)
-
-
-def _batched_changes(
-    changes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], device: torch.device
-) -> torch.Tensor:
-    """`checksum_changes` with torch ops over the concatenated changes on `device` (any
-    device: the host runs it too, where the per-parameter numpy path is the faster), at
-    most `_BATCH_ELEMENTS` changed elements at a time: the pass holds a few int64 words
-    per element, and a GPU holding trainer, reference and replica has little to spare."""
-    totals = torch.zeros(len(changes), dtype=torch.int64, device=device)
-    by_size: dict[int, list[tuple[int, int, int]]] = {}
-    for index, (elements, _, new, _) in enumerate(changes):
-        for start in range(0, elements.numel(), _BATCH_ELEMENTS):
-            stop = min(start + _BATCH_ELEMENTS, elements.numel())
-            by_size.setdefault(new.element_size(), []).append((index, start, stop))
-    for size, pieces in by_size.items():
-        batch: list[tuple[int, int, int]] = []
-        held = 0
-        for piece in [*pieces, None]:
-            if piece is not None and held + piece[2] - piece[1] <= _BATCH_ELEMENTS:
-                batch.append(piece)
-                held += piece[2] - piece[1]
-                continue
-            if batch:
-                _add_batch(totals, changes, batch, size, device)
-            if piece is not None:
-                batch, held = [piece], piece[2] - piece[1]
-    return totals
-
-
-# Changed elements `_batched_changes` weighs at once (about 64 bytes of scratch each).
-_BATCH_ELEMENTS = 1 << 24
-
-
-def _add_batch(
-    totals: torch.Tensor,
-    changes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
-    batch: Sequence[tuple[int, int, int]],
-    size: int,
-    device: torch.device,
-) -> None:
-    """Add to ``totals[index]`` the change of elements ``start:stop`` of ``changes[index]``,
-    for each ``(index, start, stop)`` of `batch` (all of element size `size`)."""
-    counts = [stop - start for _, start, stop in batch]
-    elements = torch.cat([changes[i][0][a:b] for i, a, b in batch])
-    mask = (1 << (8 * size)) - 1 if size < 8 else -1
-    new = torch.cat([changes[i][2][a:b] for i, a, b in batch]).to(torch.int64) & mask
-    diff = new - (torch.cat([changes[i][1][a:b] for i, a, b in batch]).to(torch.int64) & mask)
-    del new
-    byte = elements * size
-    word = byte >> 3
-    diff *= torch.ones_like(byte) << ((byte & 7) * 8)
-    del byte, elements
-    # Each element's parameter, and where that parameter's grid of words ends.
-    grid_words = [
-        _align(changes[i][3] * size) // 8 // CHECK_ROW_WORDS * CHECK_ROW_WORDS for i, _, _ in batch
-    ]
-    counts_t = torch.tensor(counts, device=device)
-    total = sum(counts)
-    grid = torch.repeat_interleave(
-        torch.tensor(grid_words, device=device), counts_t, output_size=total
-    )
-    weight = _mix((word >> _ROW_SHIFT) * 4)
-    weight += _mix((word & (CHECK_ROW_WORDS - 1)) * 4 + 1)
-    tail = word >= grid
-    weight[tail] = _mix((word[tail] - grid[tail]) * 4 + 2)
-    diff *= weight
-    # Each piece's sum from a running sum (wrapping, as the checksum adds): an atomic add per
-    # element into a few totals would serialise on them.
-    running = diff.cumsum(0)
-    ends = torch.tensor(list(itertools.accumulate(counts)), device=device) - 1
-    at_ends = running[ends]
-    sums = at_ends - torch.cat([at_ends.new_zeros(1), at_ends[:-1]])
-    totals.index_add_(0, torch.tensor([i for i, _, _ in batch], device=device), sums)
 
 
 def _device_change(

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from weightsync import delta_kernels
-from weightsync.delta_codec import Section, checksum_change, checksum_changes, encode_payload
+from weightsync.delta_codec import Section, checksum_change, encode_payload
 from weightsync.export.base import WeightExport
 from weightsync.layout.dtypes import DTYPE_SIZES
 from weightsync.plan.delta import DeltaMap, DeltaTarget, delta_maps
@@ -659,13 +659,13 @@ class DeltaPush:
             numel = target.weights_info[param_name][1]
             sections.append(Section(param_index=order[param_name], elements=elements, values=new))
             names.append(param_name)
-            moves.append((elements, old, new, numel))
+            moves.append(checksum_change(elements, old, new, numel=numel))
             count += elements.numel()
-        # Every parameter's change at once, and one host sync, where they lie on one device.
-        if len({elements.device for elements, *_ in moves}) == 1:
-            moved = checksum_changes(moves).tolist()
+        # One host sync for every parameter's change where they lie on one device.
+        if len({m.device for m in moves}) == 1:
+            moved = torch.stack(moves).tolist()
         else:
-            moved = [int(checksum_change(e, o, n, numel=k)) for e, o, n, k in moves]
+            moved = [int(m) for m in moves]
         changes = dict(zip(names, moved, strict=True))
         return sections, changes, count
 
