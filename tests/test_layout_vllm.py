@@ -106,4 +106,20 @@ def test_vllm_loader_live(tmp_path) -> None:
     config = MODELS[CASES[case_name]["model"]]
     checkpoint = write_checkpoint(tmp_path / "ckpt", hf_tensor_shapes(config), config)
     ranks = run_vllm_loader(venv, checkpoint, case_name, tmp_path)
-    assert ranks == _stored()["cases"][case_name]["ranks"]
+    stored = _stored()["cases"][case_name]["ranks"]
+    assert len(ranks) == len(stored)
+    for rank, (live, table) in enumerate(zip(ranks, stored, strict=True)):
+        assert live.keys() == table.keys()
+        for key in live.keys() - {"after_processing"}:
+            assert live[key] == table[key], f"rank {rank}: {key}"
+        loaded = {row[0]: row for row in live["loaded"]}
+        after = live["after_processing"]
+        assert [row[0] for row in after] == [row[0] for row in table["after_processing"]]
+        for now, kept in zip(after, table["after_processing"], strict=True):
+            name, shape, digest, same_storage = now
+            _, loaded_shape, _, loaded_digest = loaded[name]
+            # vLLM's CPU build repacks a linear weight into oneDNN only where its dispatch
+            # takes oneDNN for it (the stored tables come from an AVX-512 host); elsewhere
+            # the weight keeps its memory and bytes, which the extension measures either way.
+            in_place = [shape, digest, same_storage] == [loaded_shape, loaded_digest, True]
+            assert now == kept or (_REPACKED.search(name) and in_place), f"rank {rank}: {now}"

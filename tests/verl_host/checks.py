@@ -46,6 +46,16 @@ def import_is_cheap() -> None:
 
 
 @check
+def delta_policies_are_the_managers() -> None:
+    # The options keep their own copy so that importing them stays cheap (above).
+    from weightsync.integrations.verl.options import DELTA_WHEN as OPTIONS
+    from weightsync.manager.config import DELTA_WHEN
+
+    if OPTIONS != DELTA_WHEN:
+        raise AssertionError(f"verl's delta_when values {OPTIONS} differ from {DELTA_WHEN}")
+
+
+@check
 def registered_under_both_names() -> None:
     from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
