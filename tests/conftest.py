@@ -20,10 +20,10 @@ import pytest
 
 # The vLLM tests' checkpoint and servers (session-wide: each server starts once for every
 # vLLM test module; defined in a module a test imports, they would start once per module).
-from vllm_cpu.fixtures import vllm_checkpoint, vllm_tp1, vllm_tp2
+from vllm_cpu.fixtures import vllm_checkpoint, vllm_servers, vllm_tp1, vllm_tp2
 
 SGLANG_API_KEY = "sglang-key"
-__all__ = ["SGLANG_API_KEY", "vllm_checkpoint", "vllm_tp1", "vllm_tp2"]
+__all__ = ["SGLANG_API_KEY", "vllm_checkpoint", "vllm_servers", "vllm_tp1", "vllm_tp2"]
 
 
 def pytest_sessionstart(session) -> None:

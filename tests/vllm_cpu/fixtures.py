@@ -1,11 +1,11 @@
 """pytest fixtures for the tests against real vLLM 0.32.0 on the CPU; a test module imports the
 ones it uses (``from vllm_cpu.fixtures import vllm_checkpoint, vllm_tp1, vllm_tp2``).
 
-The two servers are the session's: started once (each takes most of a minute on this machine)
-and shared by every vLLM test module, each with weightsync's worker extension in its workers
-(imported from this checkout's src/). A module must not assume what a shared server holds
-when it starts: it writes what it needs first. Tests that use them skip, with the reason, when
-vLLM's venv is not built (``scripts/setup --tests`` builds it).
+The two servers are the session's: started once, together (each takes most of a minute on
+this machine), and shared by every vLLM test module, each with weightsync's worker extension
+in its workers (imported from this checkout's src/). A module must not assume what a shared
+server holds when it starts: it writes what it needs first. Tests that use them skip, with the
+reason, when vLLM's venv is not built (``scripts/setup --tests`` builds it).
 """
 
 from __future__ import annotations
@@ -47,36 +47,50 @@ def vllm_checkpoint(tmp_path_factory) -> Path:
     return write_random_checkpoint(path, config, dtype=torch.float32, seed=11)
 
 
-def _serve(request, tmp_path_factory, tp: int, **env: str) -> Iterator[VLLMServer]:
-    venv = vllm_venv_or_skip()
-    checkpoint = request.getfixturevalue("vllm_checkpoint")  # only once vLLM can run
-    log = tmp_path_factory.mktemp("vllm-logs") / f"vllm-tp{tp}.log"
-    # Started from the main thread, which outlives it (its parent-death signal follows the
-    # thread that started it).
-    server = start_vllm(
+def _launch(venv: Path, checkpoint: Path, log_dir: Path, tp: int, **env: str) -> VLLMServer:
+    # Launched from the main thread, which outlives it (its parent-death signal follows the
+    # thread that started it); not waited for, so that both servers come up at once.
+    return start_vllm(
         venv,
         checkpoint,
         tp=tp,
         dtype="float32",
-        log_path=log,
+        log_path=log_dir / f"vllm-tp{tp}.log",
         worker_extension_cls=EXTENSION,
         extra_env={"PYTHONPATH": str(SRC_DIR), **env},  # the checkout's weightsync
-        timeout=600.0,
+        wait=False,
     )
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
-def vllm_tp1(request, tmp_path_factory) -> Iterator[VLLMServer]:
+def vllm_servers(request, tmp_path_factory) -> Iterator[dict[int, VLLMServer]]:
+    """Both of the session's servers by tp, launched together: every vLLM test module uses
+    both, and each takes most of a minute to start, largely waiting on its own workers."""
+    venv = vllm_venv_or_skip()
+    checkpoint = request.getfixturevalue("vllm_checkpoint")  # only once vLLM can run
+    log_dir = tmp_path_factory.mktemp("vllm-logs")
+    servers: dict[int, VLLMServer] = {}
+    try:
+        servers[1] = _launch(
+            venv, checkpoint, log_dir, 1, WEIGHTSYNC_DELTA_REGION_MB=str(DELTA_REGION_MB)
+        )
+        servers[2] = _launch(venv, checkpoint, log_dir, 2)
+        for server in servers.values():
+            server.wait_ready(600.0)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_tp1(vllm_servers) -> VLLMServer:
     """A real vLLM 0.32.0 server (tp 1, float32, its RL and dev routes on, weightsync's
     worker extension with a `DELTA_REGION_MB` delta region) serving `vllm_checkpoint`."""
-    yield from _serve(request, tmp_path_factory, 1, WEIGHTSYNC_DELTA_REGION_MB=str(DELTA_REGION_MB))
+    return vllm_servers[1]
 
 
 @pytest.fixture(scope="session")
-def vllm_tp2(request, tmp_path_factory) -> Iterator[VLLMServer]:
+def vllm_tp2(vllm_servers) -> VLLMServer:
     """The same at tp 2 (two workers in a gloo group on loopback), without a delta region."""
-    yield from _serve(request, tmp_path_factory, 2)
+    return vllm_servers[2]
