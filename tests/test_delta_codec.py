@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weightsync.delta_codec import (
     BLOCK_ELEMENTS,
     CHECK_ROW_WORDS,
     DeltaFormatError,
     Section,
+    _batched_blocks,
+    _blocks,
+    _check_section,
+    _payload_tables,
+    _sections_fit,
     apply_and_check,
     apply_payload,
     as_bits,
@@ -320,3 +328,71 @@ def test_an_unknown_check_is_refused_before_anything_is_written() -> None:
     with pytest.raises(ValueError, match="check must be one of"):
         apply_and_check([payload], params, expected, base=checksums(params), check="some")
     assert all(torch.equal(as_bits(params[n]), as_bits(kept[n])) for n in params)
+
+
+def two_params_payload():
+    """A payload of a sparse and a dense section into two parameters, and the parameters."""
+    params = [torch.zeros(BLOCK_ELEMENTS * 2 + 10, dtype=torch.int16), torch.zeros(64)]
+    sections = [
+        Section(
+            param_index=0,
+            elements=torch.tensor([1, 7, BLOCK_ELEMENTS + 3, BLOCK_ELEMENTS * 2 + 9]),
+            values=torch.tensor([1, 2, 3, 4], dtype=torch.int16),
+        ),
+        Section(param_index=1, elements=None, values=as_bits(torch.ones(5)), start=50),
+    ]
+    return params, encode_payload(sections, "cpu")
+
+
+# Values a careless or hostile writer might leave in a table word: off by one or a word,
+# negative, past the payload, or large enough to wrap int64 arithmetic.
+EDGES = [-(1 << 62), -9, -8, -1, 0, 1, 2, 3, 4, 7, 8, 64, 1 << 16, (1 << 16) + 1, 1 << 40, 1 << 62]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, 2 * 8 + 4 * 2 - 1), st.sampled_from(EDGES), st.booleans()),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_the_section_checks_at_once_refuse_what_one_by_one_refuses(edits) -> None:
+    """Tables checked all at once (`_sections_fit`) pass exactly where every section passes
+    its own check, whatever words a careless or hostile writer left in them; a payload either
+    applies or changes nothing."""
+    params, payload = two_params_payload()
+    table = payload[64:].view(torch.int64)  # 2 section rows of 8 words, then 4 block rows
+    for word, value, relative in edits:
+        table[word] = table[word] + value if relative else value
+    total, sections, blocks = _payload_tables(payload)
+    numels = np.array([p.numel() for p in params])
+    sizes = np.array([p.element_size() for p in params])
+    at_once = _sections_fit(sections, blocks, numels, sizes, total) is not None
+    try:
+        for row in sections.tolist():
+            _check_section(row, blocks, params, total)
+        one_by_one = True
+    except DeltaFormatError:
+        one_by_one = False
+    assert at_once == one_by_one
+    before = [p.clone() for p in params]
+    try:
+        apply_payload(payload, params)
+    except DeltaFormatError:
+        assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+
+
+def test_blocks_found_for_many_sections_at_once_equal_each_sections_own() -> None:
+    """The device's batched block search (one host sync for every section) finds the runs
+    `torch.unique_consecutive` finds, for sorted, unsorted, repeated and empty elements."""
+    cases = [
+        torch.tensor([1, 2, BLOCK_ELEMENTS, BLOCK_ELEMENTS * 3 + 7]),
+        torch.tensor([BLOCK_ELEMENTS * 2 + 5, 3, BLOCK_ELEMENTS + 1, 4, 5]),
+        torch.tensor([7, 7, 7]),
+        torch.zeros(0, dtype=torch.int64),
+        torch.arange(0, BLOCK_ELEMENTS * 5, 977),
+    ]
+    for (starts, counts), elements in zip(_batched_blocks(cases), cases, strict=True):
+        expected = _blocks(elements)
+        assert torch.equal(starts, expected[0]) and torch.equal(counts, expected[1])

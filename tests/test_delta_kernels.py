@@ -13,22 +13,28 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     # Read when Triton is imported: its kernels then run in its interpreter, on the host.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from test_delta_codec import EDGES, _named, _one_change, _payloads, two_params_payload
 from weightsync import delta_kernels
 from weightsync.delta_codec import (
+    BLOCK_ELEMENTS,
     CHECK_ROW_WORDS,
     DeltaFormatError,
     Section,
     _host_checksum,
     _scatter_payload,
     _words,
+    apply_and_check,
     apply_payload,
     as_bits,
+    checksum_change,
     checksums,
     encode_payload,
 )
@@ -192,8 +198,9 @@ def test_the_fused_scatter_applies_as_torch_does() -> None:
     expected = [p.clone() for p in params]
     applied = apply_payload(payload, expected)  # torch's ops (the host path)
     got = [p.clone().to(DEVICE) for p in params]
-    written, count = _scatter_payload(payload.to(DEVICE), got)
-    assert sorted(written) == list(applied.params) and count == applied.num_elements
+    scattered = _scatter_payload(payload.to(DEVICE), got)
+    assert sorted(scattered.written) == list(applied.params)
+    assert scattered.num_elements == applied.num_elements
     for mine, theirs in zip(got, expected, strict=True):
         assert torch.equal(mine.cpu(), theirs)
 
@@ -222,3 +229,131 @@ def test_the_fused_scatter_refuses_a_block_past_its_parameter_and_writes_nothing
         _scatter_payload(payload.to(DEVICE), got)
     for mine, theirs in zip(got, before, strict=True):
         assert torch.equal(mine.cpu(), theirs)
+
+
+@NO_LOADED_BOUNDS
+@settings(max_examples=60, deadline=None)
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, 2 * 8 + 4 * 2 - 1), st.sampled_from(EDGES), st.booleans()),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_the_fused_scatter_refuses_what_the_host_refuses_and_writes_the_same(edits) -> None:
+    """Whatever words a careless or hostile writer left in the tables, the fused scatter
+    refuses the payload exactly where the host path does (writing nothing), and otherwise
+    writes what the host path writes."""
+    params, payload = two_params_payload()
+    table = payload[64:].view(torch.int64)
+    for word, value, relative in edits:
+        table[word] = table[word] + value if relative else value
+    on_host = [p.clone() for p in params]
+    got = [p.clone().to(DEVICE) for p in params]
+    try:
+        apply_payload(payload, on_host)
+    except DeltaFormatError:
+        with pytest.raises(DeltaFormatError):
+            _scatter_payload(payload.to(DEVICE), got)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, params, strict=True))
+        return
+    _scatter_payload(payload.to(DEVICE), got)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, on_host, strict=True))
+
+
+def _on_device(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: p.to(DEVICE) for name, p in params.items()}
+
+
+@NO_LOADED_BOUNDS
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3])
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_fused_scatter_derives_what_a_full_pass_reads(density, dense) -> None:
+    """On the device the "changes" check is derived inside the scatter: the checksums it
+    derives equal a full read's, over every element size, tails past the grid, sparse and
+    dense sections, and two payloads applied one after the other."""
+    generator = torch.Generator().manual_seed(5)
+    params = _named(generator)
+    payloads, target, expected = _payloads(params, generator, density, dense=dense)
+    params = _on_device(params)
+    base = checksums(params)
+    payloads = [p.to(DEVICE) for p in payloads]
+    checked = apply_and_check(payloads, params, expected, base=base)
+    assert checked.check == "changes" and checked.recomputed == ()
+    assert checked.refused is None and not checked.mismatched and not checked.unexpected
+    assert checked.checksums == checksums(params) == expected
+    assert all(torch.equal(as_bits(params[n]).cpu(), as_bits(target[n])) for n in params)
+
+
+@NO_LOADED_BOUNDS
+def test_the_fused_derive_sees_a_wrong_value_and_a_stray_write_into_a_changed_element() -> None:
+    params = _named(torch.Generator().manual_seed(6))
+    payload, expected = _one_change(params, "p2", [4, 70_000, 100_001])
+    payload[-8] ^= 0x01  # a flipped bit on the wire
+    params = _on_device(params)
+    checked = apply_and_check([payload.to(DEVICE)], params, expected, base=checksums(params))
+    assert checked.check == "changes" and checked.mismatched == ("p2",)
+    assert checked.checksums["p2"] == checksums(params)["p2"]  # derived = what it holds
+    params = _named(torch.Generator().manual_seed(7))
+    payload, expected = _one_change(params, "p1", [10, 500])
+    params = _on_device(params)
+    base = checksums(params)
+    as_bits(params["p1"])[500] ^= 0x0100  # after the base was read, where the delta writes
+    checked = apply_and_check([payload.to(DEVICE)], params, expected, base=base)
+    assert checked.mismatched == ("p1",)
+
+
+@NO_LOADED_BOUNDS
+@pytest.mark.parametrize("how", ["repeated", "blocks out of order", "two sections"])
+def test_an_element_the_fused_derive_could_count_twice_is_read_in_full(how) -> None:
+    """Where an element could be written twice in one scatter (a repeated offset, blocks
+    out of order, two sections of one parameter), the parameter's checksum is read over all
+    its bytes instead of derived: a doubled change cannot hide a wrong write."""
+    params = _named(torch.Generator().manual_seed(10))
+    bits = as_bits(params["p2"])
+    if how == "repeated":
+        elements = torch.tensor([7, 7, 9])
+    elif how == "blocks out of order":
+        elements = torch.tensor([BLOCK_ELEMENTS + 5, 3])
+    else:
+        elements = torch.tensor([3, BLOCK_ELEMENTS + 5])
+    new = bits[elements] ^ 0x22
+    base = checksums(params)
+    expected = dict(base)
+    moved = int(checksum_change(elements, bits[elements], new, numel=bits.numel()))
+    expected["p2"] = (base["p2"] + moved + (1 << 63)) % (1 << 64) - (1 << 63)
+    if how == "two sections":
+        sections = [
+            Section(param_index=2, elements=elements[:1], values=new[:1]),
+            Section(param_index=2, elements=elements[1:], values=new[1:]),
+        ]
+    else:
+        sections = [Section(param_index=2, elements=elements, values=new)]
+    payload = encode_payload(sections, "cpu")
+    params = _on_device(params)
+    checked = apply_and_check([payload.to(DEVICE)], params, expected, base=base)
+    assert checked.recomputed == ("p2",)
+    assert checked.checksums == checksums(params)
+    # The repeated element was written twice: what the sender counted is not what it holds.
+    assert (checked.mismatched == ("p2",)) == (how == "repeated")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the batched block search serves CUDA sections")
+def test_a_payload_laid_out_on_the_device_equals_the_hosts_byte_for_byte() -> None:
+    _, sections = _sections_and_params(seed=9)
+    unsorted = Section(
+        param_index=0,
+        elements=torch.tensor([BLOCK_ELEMENTS * 2 + 5, 3, BLOCK_ELEMENTS + 1]),
+        values=torch.tensor([1, 2, 3], dtype=torch.int16),
+    )
+    for case in (sections, [unsorted, *sections[1:]]):
+        on_device = [
+            Section(
+                param_index=s.param_index,
+                elements=None if s.elements is None else s.elements.to(DEVICE),
+                values=s.values.to(DEVICE),
+                start=s.start,
+            )
+            for s in case
+        ]
+        assert torch.equal(encode_payload(on_device, DEVICE).cpu(), encode_payload(case, "cpu"))

@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -165,33 +165,28 @@ def encode_payload(sections: Sequence[Section], device: torch.device | str) -> t
         ValueError: a section whose values are not integer bits, or whose element count
             differs from its values'.
     """
-    blocks = []
     for section in sections:
         if section.values.dtype not in _BITS_DTYPES.values():
             raise ValueError(
                 f"section of parameter {section.param_index}: values must be raw bits "
                 f"(int8/16/32/64), got {section.values.dtype}"
             )
-        if section.elements is not None:
-            if section.elements.numel() != section.values.numel():
-                raise ValueError(
-                    f"section of parameter {section.param_index}: "
-                    f"{section.elements.numel()} elements but {section.values.numel()} values"
-                )
-            blocks.append(_blocks(section.elements))
-        else:
-            blocks.append(None)
+        if section.elements is not None and section.elements.numel() != section.values.numel():
+            raise ValueError(
+                f"section of parameter {section.param_index}: "
+                f"{section.elements.numel()} elements but {section.values.numel()} values"
+            )
+    blocks = _section_blocks(sections)
     num_blocks = [b[0].numel() if b is not None else 0 for b in blocks]
     places = _layout(sections, num_blocks)
     total = places[-1]
     payload = torch.zeros(total, dtype=torch.uint8, device=device)
-    table = torch.zeros(len(sections), SECTION_WORDS, dtype=torch.int64)
-    block_rows = []
+    rows, block_rows = [], []
     first_block = 0
     for i, (section, block) in enumerate(zip(sections, blocks, strict=True)):
         offsets_at, values_at = places[2 + 2 * i], places[3 + 2 * i]
         count = section.values.numel()
-        table[i] = torch.tensor(
+        rows.append(
             [
                 section.param_index,
                 int(section.kind),
@@ -203,7 +198,7 @@ def encode_payload(sections: Sequence[Section], device: torch.device | str) -> t
                 section.start,
             ]
         )
-        if block is not None:
+        if block is not None and section.elements is not None:
             starts, counts = block
             block_rows.append(torch.stack([starts, counts], dim=1))
             first_block += num_blocks[i]
@@ -213,16 +208,43 @@ def encode_payload(sections: Sequence[Section], device: torch.device | str) -> t
         payload[values_at : values_at + value_bytes].copy_(
             section.values.reshape(-1).view(torch.uint8)
         )
-    head = torch.tensor(
-        [MAGIC, FORMAT_VERSION, len(sections), sum(num_blocks), places[0], places[1], total, 0],
-        dtype=torch.int64,
-    )
-    payload[: HEAD_WORDS * 8].copy_(head.view(torch.uint8))
-    payload[places[0] : places[1]].copy_(table.reshape(-1).view(torch.uint8))
+    head = [MAGIC, FORMAT_VERSION, len(sections), sum(num_blocks), places[0], places[1], total, 0]
+    table = torch.tensor([head, *rows], dtype=torch.int64).reshape(-1)
+    payload[: places[1]].copy_(table.view(torch.uint8))
     if block_rows:
-        rows = torch.cat([r.to("cpu") for r in block_rows]).reshape(-1)
-        payload[places[1] : places[1] + rows.numel() * 8].copy_(rows.view(torch.uint8))
+        # One copy of every block row, wherever the sections' elements lie.
+        joined = torch.cat(block_rows).reshape(-1)
+        payload[places[1] : places[1] + joined.numel() * 8].copy_(joined.view(torch.uint8))
     return payload
+
+
+def _section_blocks(sections: Sequence[Section]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each section's ``(block starts, counts)`` (`_blocks`; None for a dense one). On a
+    device, with one host sync for all of them: each section's runs are marked there, one
+    look at how many there are sizes every result, and they are gathered without another
+    wait (a sync per section would wait for the device once per section)."""
+    sparse = [s.elements for s in sections if s.elements is not None]
+    if not sparse or sparse[0].device.type == "cpu":
+        return [_blocks(s.elements) if s.elements is not None else None for s in sections]
+    each = iter(_batched_blocks(sparse))
+    return [next(each) if s.elements is not None else None for s in sections]
+
+
+def _batched_blocks(sparse: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`_blocks` of each tensor of element indices in `sparse`, with one host sync."""
+    ids = [elements >> 16 for elements in sparse]
+    firsts = []
+    for block in ids:
+        first = torch.ones_like(block, dtype=torch.bool)
+        first[1:] = block[1:] != block[:-1]
+        firsts.append(first)
+    sizes = torch.stack([first.sum() for first in firsts]).tolist()
+    found = []
+    for block, first, size in zip(ids, firsts, sizes, strict=True):
+        at = torch.nonzero_static(first, size=size).reshape(-1)
+        ends = torch.cat([at[1:], at.new_tensor([block.numel()])])
+        found.append(((block[at] << 16), ends - at))
+    return found
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -264,8 +286,8 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
         DeltaFormatError: a bad magic, version or size, or a section that does not fit.
     """
     if _scatters(payload, params):
-        written, num_elements = _scatter_payload(payload, params)
-        return Applied(params=tuple(sorted(written)), num_elements=num_elements)
+        scattered = _scatter_payload(payload, params)
+        return Applied(params=tuple(sorted(scattered.written)), num_elements=scattered.num_elements)
     writes = _read_payload(payload, params)
     for write in writes:
         _write(as_bits(params[write.index]), write)
@@ -275,9 +297,13 @@ def apply_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> Appl
     )
 
 
-def _payload_tables(payload: torch.Tensor) -> tuple[int, list[list[int]], torch.Tensor]:
-    """``(total bytes, section rows, block table on the host)`` of `payload`, its head and
-    tables checked (each section is checked against its parameter by `_check_section`).
+def _payload_tables(
+    payload: torch.Tensor, *, blocks: bool = True
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(total bytes, section rows, block rows)`` of `payload`, read to the host (int64
+    arrays of `SECTION_WORDS` and 2 columns; without `blocks`, the block rows are left on
+    the payload's device and an empty array stands for them), its head and tables checked
+    (each section is checked against its parameter by `_checked_tables`).
 
     Raises:
         DeltaFormatError: a bad magic, version or size, or tables that do not fit.
@@ -291,17 +317,116 @@ def _payload_tables(payload: torch.Tensor) -> tuple[int, list[list[int]], torch.
             f"not a weightsync delta payload (magic {magic:#x}, version {version}); the sender "
             f"and this rank must run the same delta format ({FORMAT_VERSION})"
         )
-    if total > payload.numel() or sections_at != HEAD_WORDS * 8:
+    if total > payload.numel() or total % 8 or sections_at != HEAD_WORDS * 8:
         raise DeltaFormatError(
             f"the payload says {total} bytes but {payload.numel()} were given to apply"
         )
+    if num_sections < 0 or num_blocks < 0:
+        raise DeltaFormatError("the payload's tables do not fit inside it")
     tables_end = blocks_at + num_blocks * 16
     if not (sections_at + num_sections * SECTION_WORDS * 8 == blocks_at <= tables_end <= total):
         raise DeltaFormatError("the payload's tables do not fit inside it")
-    tables = payload[sections_at:tables_end].cpu()
-    sections = tables[: blocks_at - sections_at].view(torch.int64).view(-1, SECTION_WORDS)
-    blocks = tables[blocks_at - sections_at :].view(torch.int64).view(-1, 2)
-    return total, sections.tolist(), blocks
+    tables = payload[sections_at : tables_end if blocks else blocks_at].cpu().numpy()
+    sections = tables[: blocks_at - sections_at].view(np.int64).reshape(-1, SECTION_WORDS)
+    if not blocks:
+        return total, sections, np.zeros((num_blocks, 0), dtype=np.int64)
+    rows = tables[blocks_at - sections_at :].view(np.int64).reshape(-1, 2)
+    return total, sections, rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """A payload's tables, every section checked against the parameters it writes.
+
+    Attributes:
+        total: the payload's bytes.
+        sections: int64 ``[sections, SECTION_WORDS]``, as the payload lays them out.
+        blocks: int64 ``[blocks, 2]`` (start element, count).
+        owner: for each block of a sparse section, in the sections' order, its section.
+        block_rows: those blocks' rows in `blocks`.
+        numels, sizes: the parameters' elements and element sizes, by index.
+    """
+
+    total: int
+    sections: np.ndarray
+    blocks: np.ndarray
+    owner: np.ndarray
+    block_rows: np.ndarray
+    numels: np.ndarray
+    sizes: np.ndarray
+
+
+def _checked_tables(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> _Tables:
+    """`payload`'s tables, every section checked against its parameter (index, element
+    count, bounds) at once; the first section that does not fit is named by `_check_section`.
+
+    Raises:
+        DeltaFormatError: a bad head or tables, or a section that does not fit.
+    """
+    total, sections, blocks = _payload_tables(payload)
+    numels = np.array([p.numel() for p in params], dtype=np.int64)
+    sizes = np.array([p.element_size() for p in params], dtype=np.int64)
+    checked = _sections_fit(sections, blocks, numels, sizes, total)
+    if checked is None:
+        for row in sections.tolist():
+            _check_section(row, blocks, params, total)
+        raise DeltaFormatError("the payload's sections do not fit its parameters")
+    owner, block_rows = checked
+    return _Tables(total, sections, blocks, owner, block_rows, numels, sizes)
+
+
+def _sections_fit(
+    sections: np.ndarray, blocks: np.ndarray, numels: np.ndarray, sizes: np.ndarray, total: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Whether every section fits its parameter (of `numels` elements of `sizes` bytes) and
+    the payload's `total` bytes, as `_check_section` checks one: ``(owner, block rows)`` of
+    the sparse sections' blocks where they all do, None otherwise."""
+    if not _section_fields_fit(sections, blocks.shape[0], numels, sizes, total):
+        return None
+    index, kind, count, _, _, first, nblocks, _ = sections.T
+    sparse = kind == SectionKind.SPARSE
+    spans = np.where(sparse, nblocks, 0)
+    owner = np.repeat(np.arange(sections.shape[0]), spans)
+    begins = np.cumsum(spans) - spans
+    block_rows = np.arange(owner.size) - begins[owner] + first[owner]
+    starts, counts = blocks[block_rows, 0], blocks[block_rows, 1]
+    numel = numels[index[owner]]
+    if ((counts < 0) | (counts > BLOCK_ELEMENTS) | (starts < 0) | (starts >= numel)).any():
+        return None
+    added = np.concatenate([[0], np.cumsum(counts)])
+    if (sparse & (added[begins + spans] - added[begins] != count)).any():
+        return None
+    return owner, block_rows
+
+
+def _section_fields_fit(
+    sections: np.ndarray, num_blocks: int, numels: np.ndarray, sizes: np.ndarray, total: int
+) -> bool:
+    """Whether every section's own fields fit its parameter and the payload (its blocks
+    apart): `_sections_fit`'s checks of the section table. Every field is bounded before
+    it takes part in a sum, so that no hostile value wraps int64 into range."""
+    index, kind, count, values_at, offsets_at, first, nblocks, start = sections.T
+    fits = (index >= 0) & (index < numels.size)
+    param = np.where(fits, index, 0)
+    numel = numels[param] if numels.size else np.zeros_like(index)
+    size = sizes[param] if sizes.size else np.ones_like(index)
+    fits &= (count >= 0) & (count <= total) & (values_at >= 0) & (values_at <= total)
+    fits &= (values_at % 8 == 0) & (values_at + count * size <= total)
+    dense, sparse = kind == SectionKind.DENSE, kind == SectionKind.SPARSE
+    fits &= dense | sparse
+    fits &= ~dense | ((start >= 0) & (start <= numel) & (count <= numel - start))
+    fits &= ~sparse | (
+        (offsets_at >= 0)
+        & (offsets_at <= total)
+        & (offsets_at % 8 == 0)
+        & (offsets_at + 2 * count <= total)
+        & (first >= 0)
+        & (first <= num_blocks)
+        & (nblocks >= 0)
+        & (nblocks <= num_blocks - first)
+        & ((nblocks > 0) | (count == 0))
+    )
+    return bool(fits.all())
 
 
 def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_Write]:
@@ -310,15 +435,14 @@ def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list
     Raises:
         DeltaFormatError: a bad magic, version or size, or a section that does not fit.
     """
-    total, rows, blocks = _payload_tables(payload)
-    num_blocks = blocks.shape[0]
+    tables = _checked_tables(payload, params)
+    blocks = torch.from_numpy(tables.blocks)
     writes: list[_Write] = []
     highest: list[torch.Tensor] = []
     # The block table goes to the payload's device once, not once per section.
-    blocks_on_device = blocks.to(payload.device) if num_blocks else blocks
-    for row in rows:
+    blocks_on_device = blocks.to(payload.device) if blocks.shape[0] else blocks
+    for row in tables.sections.tolist():
         index, kind, count, values_at, offsets_at, first, nblocks, start = row
-        _check_section(row, blocks, params, total)
         param = as_bits(params[index])
         values = payload[values_at : values_at + count * param.element_size()].view(param.dtype)
         if kind == SectionKind.DENSE:
@@ -347,65 +471,169 @@ def _scatters(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
     return delta_kernels.ready(device) and all(p.device == device for p in params)
 
 
-def _scatter_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[set[int], int]:
-    """Apply `payload` with the fused scatter (`weightsync.delta_kernels.scatter_blocks`):
-    every section checked, and every block that could reach past its parameter checked for
-    its largest offset (one host sync for all), before the first write. Returns the indices
-    of the parameters written and the elements written.
+@dataclass(slots=True)
+class _Scattered:
+    """What `_scatter_payload` wrote: the parameters (indices) and the elements; with its
+    derive, each dense section's checksum change (0-d tensors, by parameter), the sparse
+    sections' changes and repeated writes summed per parameter (`moved`, `repeats`: int64
+    tensors with one value per parameter, for the parameters in `summed`), and the
+    parameters whose elements could have been written twice (`unordered`)."""
+
+    written: set[int]
+    num_elements: int
+    changes: dict[int, list[torch.Tensor | int]] = field(default_factory=dict)
+    moved: torch.Tensor | None = None
+    repeats: torch.Tensor | None = None
+    summed: tuple[int, ...] = ()
+    unordered: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Blocks:
+    """The blocks of a payload's sparse sections of one element size, as device tables."""
+
+    element_size: int
+    param: torch.Tensor
+    owner: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor
+    offsets_at: torch.Tensor
+    values_at: torch.Tensor
+
+
+def _scatter_payload(
+    payload: torch.Tensor, params: Sequence[torch.Tensor], *, derive: bool = False
+) -> _Scattered:
+    """Apply `payload` with the fused scatter (`weightsync.delta_kernels.scatter_blocks`).
+
+    The host reads the head and the section table only, and checks every section; the
+    blocks are checked where they lie, on the device (counts, starts, each section's total,
+    and each block's largest offset against its parameter's end), and one host sync for
+    all of them comes before the first write. A payload that fails there is checked again
+    on the host (`_checked_tables`) to say which section does not fit. With `derive`, the
+    scatter also sums how each parameter's checksum moves, from each element's bits read
+    just before its write (`weightsync.delta_kernels.scatter_blocks_changes`): the check
+    then costs about the scatter, not another read of every byte.
 
     Raises:
         DeltaFormatError: as `_read_payload` (nothing written).
     """
-    total, rows, blocks = _payload_tables(payload)
+    total, sections, blocks = _payload_tables(payload, blocks=False)
+    num_blocks = blocks.shape[0]
+    numels = np.array([p.numel() for p in params], dtype=np.int64)
+    sizes = np.array([p.element_size() for p in params], dtype=np.int64)
+    if not _section_fields_fit(sections, num_blocks, numels, sizes, total):
+        _checked_tables(payload, params)  # names the section
+        raise DeltaFormatError("the payload's sections do not fit its parameters")
     device = payload.device
-    dense: list[tuple[int, int, torch.Tensor]] = []
-    tables: dict[int, list[torch.Tensor]] = {}
-    highest: list[torch.Tensor] = []
-    written: set[int] = set()
-    num_elements = 0
-    for row in rows:
-        index, kind, count, values_at, offsets_at, first, nblocks, start = row
-        _check_section(row, blocks, params, total)
-        bits = as_bits(params[index])
-        size = bits.element_size()
-        written.add(index)
-        num_elements += count
-        if kind == SectionKind.DENSE:
-            values = payload[values_at : values_at + count * size].view(bits.dtype)
-            dense.append((index, start, values))
-            continue
-        if not nblocks:
-            continue
-        starts, counts = blocks[first : first + nblocks, 0], blocks[first : first + nblocks, 1]
-        before = torch.cumsum(counts, 0) - counts
-        offsets = offsets_at + 2 * before
-        table = torch.stack(
-            [
-                torch.full_like(starts, bits.data_ptr()),
-                starts,
-                counts,
-                offsets,
-                values_at + size * before,
-            ]
+    index, kind, count, values_at, offsets_at, first, nblocks, start = sections.T
+    dense = kind == SectionKind.DENSE
+    spans = np.where(dense, 0, nblocks)
+    size = sizes[index] if index.size else index
+    kinds = sorted(set(size[~dense].tolist()))
+    addresses = np.array([p.data_ptr() for p in params], dtype=np.int64)
+    grids = (numels * sizes + 7) // 8 // CHECK_ROW_WORDS * CHECK_ROW_WORDS
+    # One upload of every small table: the sections' columns, the parameters', and each
+    # element size's blocks per section.
+    columns = [index, count, offsets_at, values_at, first, numels, addresses, grids]
+    columns += [np.where(size == k, spans, 0) for k in kinds]
+    upload = torch.from_numpy(np.concatenate(columns)).to(device)
+    num_sections, num_params = len(index), len(params)
+    cut = [num_sections] * 5 + [num_params] * 3 + [num_sections] * len(kinds)
+    index_d, count_d, offsets_d, values_d, first_d, numels_d, addresses_d, grids_d, *spans_d = (
+        upload.split(cut)
+    )
+    rows = payload[HEAD_WORDS * 8 + num_sections * SECTION_WORDS * 8 :][: num_blocks * 16]
+    block_table = rows.view(torch.int64).view(-1, 2)
+    groups: list[_Blocks] = []
+    faults: list[torch.Tensor] = []
+    sections_d = torch.arange(num_sections, device=device)
+    for k, spans_k in zip(kinds, spans_d, strict=True):
+        owner = torch.repeat_interleave(
+            sections_d, spans_k, output_size=int(np.where(size == k, spans, 0).sum())
         )
-        tables.setdefault(size, []).append(table)
-        # A block whose 65,536 offsets could reach past the parameter: its largest offset.
-        for i in torch.nonzero(starts + BLOCK_ELEMENTS > bits.numel()).flatten().tolist():
-            at, n = int(offsets[i]), int(counts[i])
-            if n:
-                largest = (
-                    payload[at : at + 2 * n].view(torch.int16).to(torch.int64) & 0xFFFF
-                ).max()
-                highest.append(largest + int(starts[i]) - bits.numel())
-    if highest and int(torch.stack(highest).max()) >= 0:
+        begins = torch.cumsum(spans_k, 0) - spans_k
+        local = torch.arange(owner.numel(), device=device) - begins[owner]
+        # Contiguous columns: a kernel indexes its tables by block.
+        starts, counts = block_table[first_d[owner] + local].T.contiguous()
+        param = index_d[owner]
+        numel = numels_d[param]
+        faults.append(((counts < 0) | (counts > BLOCK_ELEMENTS) | (starts < 0)).any())
+        faults.append((starts >= numel).any())
+        added = torch.cumsum(counts, 0) - counts
+        before = added - added[begins[owner]]
+        totals = torch.zeros(num_sections, dtype=torch.int64, device=device)
+        totals.index_add_(0, owner, counts)
+        faults.append(((totals != count_d) & (spans_k > 0)).any())
+        group = _Blocks(
+            element_size=k,
+            param=param,
+            owner=owner,
+            starts=starts,
+            counts=counts,
+            offsets_at=offsets_d[owner] + 2 * before,
+            values_at=values_d[owner] + k * before,
+        )
+        largest = delta_kernels.largest_offsets(payload, group.offsets_at, counts)
+        faults.append((starts + largest >= numel).any())
+        groups.append(group)
+    # The one host sync before the first write.
+    if faults and bool(torch.stack(faults).any()):
+        _checked_tables(payload, params)  # names a section whose blocks do not fit
         raise DeltaFormatError("a sparse section reaches past the end of its parameter")
-    for index, start, values in dense:
-        bits = as_bits(params[index])
-        bits[start : start + values.numel()].copy_(values)
-    for size, parts in tables.items():
-        dest, starts, counts, offsets, values_at = torch.cat(parts, dim=1).to(device)
-        delta_kernels.scatter_blocks(payload, size, dest, starts, counts, offsets, values_at)
-    return written, num_elements
+    done = _Scattered(written=set(index.tolist()), num_elements=int(count.sum()))
+    for i, begin, n, at in zip(
+        index[dense].tolist(),
+        start[dense].tolist(),
+        count[dense].tolist(),
+        values_at[dense].tolist(),
+        strict=True,
+    ):
+        bits = as_bits(params[i])
+        values = payload[at : at + n * bits.element_size()].view(bits.dtype)
+        if derive:
+            change, _ = _write_and_change(bits, _Write(i, begin, None, values))
+            done.changes.setdefault(i, []).append(change)
+        else:
+            bits[begin : begin + n].copy_(values)
+    if not derive:
+        for g in groups:
+            delta_kernels.scatter_blocks(
+                payload,
+                g.element_size,
+                addresses_d[g.param],
+                g.starts,
+                g.counts,
+                g.offsets_at,
+                g.values_at,
+            )
+        return done
+    moved = torch.zeros(num_params, dtype=torch.int64, device=device)
+    repeats = torch.zeros(num_params, dtype=torch.int64, device=device)
+    for g in groups:
+        change, strict = delta_kernels.scatter_blocks_changes(
+            payload,
+            g.element_size,
+            addresses_d[g.param],
+            g.starts,
+            g.counts,
+            g.offsets_at,
+            g.values_at,
+            grids_d[g.param],
+        )
+        moved.index_add_(0, g.param, change)
+        repeats.index_add_(0, g.param, 1 - strict)
+        # A block that starts at or before the one before it in its section may write an
+        # element that one wrote (the kernel sees repeats within a block).
+        later = g.owner[1:] == g.owner[:-1]
+        back = (later & (g.starts[1:] <= g.starts[:-1])).to(torch.int64)
+        repeats.index_add_(0, g.param[1:], back)
+    done.moved, done.repeats = moved, repeats
+    done.summed = tuple(sorted(set(index[~dense].tolist())))
+    # Two sections of one parameter scatter at once, not one after the other.
+    unique, times = np.unique(index, return_counts=True)
+    done.unordered = set(unique[times > 1].tolist())
+    return done
 
 
 def _write(bits: torch.Tensor, write: _Write) -> None:
@@ -417,7 +645,7 @@ def _write(bits: torch.Tensor, write: _Write) -> None:
 
 
 def _check_section(
-    row: list[int], blocks: torch.Tensor, params: Sequence[torch.Tensor], total: int
+    row: list[int], blocks: np.ndarray, params: Sequence[torch.Tensor], total: int
 ) -> None:
     """Check one section's fields against its parameter and the payload's size.
 
@@ -430,17 +658,21 @@ def _check_section(
     numel = params[index].numel()
     size = params[index].element_size()
     where = f"section of parameter {index} ({numel} elements)"
-    if count < 0 or values_at % 8 or values_at + count * size > total:
+    if count < 0 or values_at < 0 or values_at % 8 or values_at + count * size > total:
         raise DeltaFormatError(f"{where}: its {count} values do not fit the payload")
     if kind == SectionKind.DENSE:
         if not 0 <= start <= start + count <= numel:
             raise DeltaFormatError(f"{where}: dense run {start}+{count} out of bounds")
     elif kind == SectionKind.SPARSE:
-        if offsets_at % 8 or offsets_at + 2 * count > total or first < 0:
+        if offsets_at < 0 or offsets_at % 8 or offsets_at + 2 * count > total or first < 0:
             raise DeltaFormatError(f"{where}: its offsets do not fit the payload")
         rows = blocks[first : first + nblocks]
         if rows.shape[0] != nblocks or int(rows[:, 1].sum()) != count:
             raise DeltaFormatError(f"{where}: its blocks do not add up to {count} elements")
+        if nblocks and (int(rows[:, 1].min()) < 0 or int(rows[:, 1].max()) > BLOCK_ELEMENTS):
+            raise DeltaFormatError(
+                f"{where}: a block holds fewer than 0 or more than {BLOCK_ELEMENTS} elements"
+            )
         if nblocks and (int(rows[:, 0].min()) < 0 or int(rows[:, 0].max()) >= numel):
             raise DeltaFormatError(f"{where}: a block starts outside the parameter")
     else:
@@ -508,11 +740,11 @@ def apply_and_check(
     since the base was read into an element no payload touches: the derived checksum then
     still says the base's value, and only a full pass (``check="full"``, or the next
     proof of the base) reads it. Without a `base`, or with ``check="full"``, every
-    parameter is read again after applying. Where every parameter lies on one CUDA device
-    that runs the fused checksum (`weightsync.delta_kernels.ready`), ``"changes"`` reads
-    every byte too: there one launch over all of them costs less than deriving, and it sees
-    more (on an H200, 8.6 GB at 2 %: applying took 13.7 ms and one fused read 2.9 ms,
-    applying and deriving 27.8 ms). The result's ``check`` says which ran.
+    parameter is read again after applying. Where the payload and every parameter lie on
+    one CUDA device that runs the fused kernels (`weightsync.delta_kernels.ready`), the
+    scatter derives the change in the same pass, from each element's bits read just before
+    its write (on an H100, 5.6 GB of bf16 at 2 %: about the scatter's time, where reading
+    every byte again takes longer than the scatter). The result's ``check`` says which ran.
 
     Args:
         payloads: the payloads' bytes (uint8), in the order to apply them.
@@ -530,21 +762,30 @@ def apply_and_check(
         raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
     names = sorted(params)
     ordered = [params[name] for name in names]
-    derive = check == "changes" and base is not None and not _reads_faster(params)
+    derive = check == "changes" and base is not None
     changes: dict[int, list[torch.Tensor | int]] = {}
     ascending: dict[int, list[torch.Tensor | bool]] = {}
+    sums: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
     written: set[int] = set()
     num_elements = 0
     refused, error = None, None
     for index, payload in enumerate(payloads):
-        if not derive and _scatters(payload, ordered):
+        if _scatters(payload, ordered):
             try:
-                wrote, count = _scatter_payload(payload, ordered)
+                scattered = _scatter_payload(payload, ordered, derive=derive)
             except DeltaFormatError as exc:
                 refused, error = index, str(exc)
                 break
-            written.update(wrote)
-            num_elements += count
+            written.update(scattered.written)
+            num_elements += scattered.num_elements
+            for i, moved in scattered.changes.items():
+                changes.setdefault(i, []).extend(moved)
+                ascending.setdefault(i, []).extend([True] * len(moved))
+            if scattered.moved is not None and scattered.repeats is not None:
+                sums.append((scattered.moved, scattered.repeats, scattered.summed))
+            for i in scattered.unordered:
+                ascending.setdefault(i, []).append(False)
+                changes.setdefault(i, [])
             continue
         try:
             writes = _read_payload(payload, ordered)
@@ -562,7 +803,7 @@ def apply_and_check(
             written.add(write.index)
             num_elements += write.values.numel()
     if derive and base is not None:
-        after, recomputed = _derived(params, names, base, changes, ascending)
+        after, recomputed = _derived(params, names, base, changes, ascending, sums)
     else:
         after, recomputed = checksums(params), ()
     return Checked(
@@ -575,16 +816,6 @@ def apply_and_check(
         check="changes" if derive else "full",
         recomputed=recomputed,
     )
-
-
-def _reads_faster(params: Mapping[str, torch.Tensor]) -> bool:
-    """Whether checksumming every parameter costs less than deriving the checksums: all of
-    them on one device that runs the fused checksum."""
-    devices = {p.device for p in params.values()}
-    if len(devices) != 1:
-        return False
-    (device,) = devices
-    return delta_kernels.ready(device)
 
 
 def _write_and_change(
@@ -645,17 +876,24 @@ def _derived(
     base: Mapping[str, int],
     changes: Mapping[int, Sequence[torch.Tensor | int]],
     ascending: Mapping[int, Sequence[torch.Tensor | bool]],
+    sums: Sequence[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = (),
 ) -> tuple[dict[str, int], tuple[str, ...]]:
     """``({param_name: checksum after}, recomputed)``: each parameter's base checksum plus
-    its sections' `changes` (by index into the sorted `names`); computed over its bytes
-    instead where it has no base or a section was not strictly `ascending`. What a device
-    computed reaches the host in one sync."""
+    its sections' `changes` (by index into the sorted `names`) and its share of each fused
+    scatter's `sums` (``(changes, repeats, indices)``, one value per parameter); computed
+    over its bytes instead where it has no base, a section was not strictly `ascending`,
+    or a scatter saw an element repeat. What a device computed reaches the host in one
+    sync."""
     found = [x for index in changes for x in (*changes[index], *ascending[index])]
     pending = [x.to(torch.int64) for x in found if isinstance(x, torch.Tensor)]
-    synced = iter(torch.stack(pending).tolist() if pending else ())
+    parts = [torch.stack(pending)] if pending else []
+    parts += [vector for moved, repeats, _ in sums for vector in (moved, repeats)]
+    synced = iter(torch.cat(parts).tolist() if parts else ())
+    scalars = [next(synced) for _ in pending]
+    single = iter(scalars)
 
     def value(x: torch.Tensor | int | bool) -> int:
-        return int(next(synced)) if isinstance(x, torch.Tensor) else int(x)
+        return int(next(single)) if isinstance(x, torch.Tensor) else int(x)
 
     total: dict[str, int] = {}
     recompute = {name for name in params if name not in base}
@@ -665,6 +903,14 @@ def _derived(
         total[names[index]] = sum(moved)
         if not all(strict):
             recompute.add(names[index])
+    for moved_d, _, indices in sums:
+        moved = [next(synced) for _ in range(moved_d.numel())]
+        repeats = [next(synced) for _ in range(moved_d.numel())]
+        for index in indices:
+            name = names[index]
+            total[name] = total.get(name, 0) + moved[index]
+            if repeats[index]:
+                recompute.add(name)
     recomputed = tuple(name for name in params if name in recompute)
     full = checksums({name: params[name] for name in recomputed})
     after = {

@@ -87,6 +87,8 @@ def _kernels():
         delta_triton.bucket_count_kernel,
         delta_triton.bucket_write_kernel,
         delta_triton.bucket_select_kernel,
+        delta_triton.scatter_change_kernel,
+        delta_triton.largest_offset_kernel,
     )
 
 
@@ -601,6 +603,77 @@ def scatter_blocks(
 
     bits = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
     if dest.numel():
-        kernels[3][(dest.numel(),)](
-            dest, start, count, offsets_at, values_at, payload, BITS=bits, CHUNK=SCATTER_CHUNK
+        tables = [t.contiguous() for t in (dest, start, count, offsets_at, values_at)]
+        kernels[3][(dest.numel(),)](*tables, payload, BITS=bits, CHUNK=SCATTER_CHUNK)
+
+
+def scatter_blocks_changes(
+    payload: torch.Tensor,
+    element_size: int,
+    dest: torch.Tensor,
+    start: torch.Tensor,
+    count: torch.Tensor,
+    offsets_at: torch.Tensor,
+    values_at: torch.Tensor,
+    grid_words: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scatter_blocks`, and how each block moves its parameter's checksum
+    (`weightsync.delta_codec.checksum_change` of the elements it writes, from their bits
+    read just before the write): ``(change, strict)``, int64 tensors with one value per
+    block, on the payload's device, without a host sync. ``grid_words[i]`` is the words
+    of block ``i``'s parameter in full rows of the checksum's grid; ``strict[i]`` is 1 where
+    the block's offsets ascend strictly (no element written twice and counted twice).
+
+    Raises:
+        RuntimeError: Triton is not available (check `ready` first).
+    """
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("scatter_blocks_changes needs Triton")
+    import triton.language as tl
+
+    bits = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
+    change = torch.zeros(dest.numel(), dtype=torch.int64, device=payload.device)
+    strict = torch.ones(dest.numel(), dtype=torch.int64, device=payload.device)
+    if dest.numel():
+        tables = [t.contiguous() for t in (dest, start, count, offsets_at, values_at, grid_words)]
+        kernels[7][(dest.numel(),)](
+            *tables,
+            payload,
+            change,
+            strict,
+            BITS=bits,
+            SIZE=element_size,
+            COLS=CHECK_COLUMNS,
+            CHUNK=SCATTER_CHUNK,
         )
+    return change, strict
+
+
+def largest_offsets(
+    payload: torch.Tensor, offsets_at: torch.Tensor, count: torch.Tensor
+) -> torch.Tensor:
+    """The largest of each block's ``count[i]`` 16-bit offsets read at byte
+    ``offsets_at[i]`` of `payload` (0 for a block of none), as an int64 tensor on the
+    payload's device, without a host sync. Reads stay inside the payload and within
+    `weightsync.delta_codec.BLOCK_ELEMENTS` offsets a block whatever the tables say (they
+    are checked afterwards).
+
+    Raises:
+        RuntimeError: Triton is not available (check `ready` first).
+    """
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("largest_offsets needs Triton")
+    out = torch.zeros(count.numel(), dtype=torch.int64, device=payload.device)
+    if count.numel():
+        kernels[8][(count.numel(),)](
+            offsets_at.contiguous(),
+            count.contiguous(),
+            payload,
+            out,
+            payload.numel(),
+            LIMIT=1 << 16,
+            CHUNK=SCATTER_CHUNK,
+        )
+    return out

@@ -140,6 +140,86 @@ def scatter_kernel(
         tl.store(dest + start + offset, value, mask=live)
 
 
+@triton.jit
+def scatter_change_kernel(
+    dest_ptr,
+    start_ptr,
+    count_ptr,
+    offsets_at_ptr,
+    values_at_ptr,
+    grid_ptr,
+    payload_ptr,
+    change_ptr,
+    strict_ptr,
+    BITS: tl.constexpr,
+    SIZE: tl.constexpr,
+    COLS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """`scatter_kernel`, and how the block moves its parameter's checksum: each element's
+    bits are read just before its value is written, and ``(new - old)`` at the element's
+    place in its word, times the word's weight (its row's plus its column's, or its tail
+    weight past the grid's ``grid_ptr[block]`` words), is summed into ``change_ptr[block]``.
+    ``strict_ptr[block]`` is 1 where the block's offsets ascend strictly (no element is
+    written twice, so each counts once)."""
+    block = tl.program_id(0)
+    dest = tl.load(dest_ptr + block).to(tl.pointer_type(BITS))
+    start = tl.load(start_ptr + block)
+    count = tl.load(count_ptr + block)
+    grid = tl.load(grid_ptr + block)
+    offsets = (payload_ptr + tl.load(offsets_at_ptr + block)).to(tl.pointer_type(tl.int16))
+    values = (payload_ptr + tl.load(values_at_ptr + block)).to(tl.pointer_type(BITS))
+    total = tl.zeros([CHUNK], dtype=tl.int64)
+    repeats = tl.zeros([CHUNK], dtype=tl.int32)
+    for first in range(0, count, CHUNK):
+        lanes = first + tl.arange(0, CHUNK)
+        live = lanes < count
+        offset = tl.load(offsets + lanes, mask=live, other=0).to(tl.int64) & 0xFFFF
+        before = tl.load(offsets + lanes - 1, mask=live & (lanes > 0), other=0).to(tl.int64)
+        repeats += (live & (lanes > 0) & (offset <= (before & 0xFFFF))).to(tl.int32)
+        value = tl.load(values + lanes, mask=live)
+        element = start + offset
+        old = tl.load(dest + element, mask=live, other=0)
+        tl.store(dest + element, value, mask=live)
+        if SIZE < 8:
+            diff = (value.to(tl.int64) & ((1 << (8 * SIZE)) - 1)) - (
+                old.to(tl.int64) & ((1 << (8 * SIZE)) - 1)
+            )
+        else:
+            diff = value.to(tl.int64) - old.to(tl.int64)
+        byte = element * SIZE
+        word = byte >> 3
+        diff = diff << ((byte & 7) * 8)
+        inside = mix(((word // COLS) * 4).to(tl.uint64)) + mix(
+            ((word % COLS) * 4 + 1).to(tl.uint64)
+        )
+        tail = mix(((word - grid) * 4 + 2).to(tl.uint64))
+        weight = tl.where(word < grid, inside, tail).to(tl.int64, bitcast=True)
+        total += tl.where(live, diff * weight, 0)
+    tl.store(change_ptr + block, tl.sum(total, axis=0))
+    tl.store(strict_ptr + block, (tl.sum(repeats, axis=0) == 0).to(tl.int64))
+
+
+@triton.jit
+def largest_offset_kernel(
+    offsets_at_ptr, count_ptr, payload_ptr, out_ptr, total, LIMIT: tl.constexpr, CHUNK: tl.constexpr
+):
+    """The largest 16-bit offset of each block (0 for none), read only inside the payload's
+    ``total`` bytes and for at most ``LIMIT`` offsets a block, whatever its table says: the
+    tables are checked after this pass, before anything is written."""
+    block = tl.program_id(0)
+    at = tl.load(offsets_at_ptr + block)
+    count = tl.minimum(tl.maximum(tl.load(count_ptr + block), 0), LIMIT)
+    largest = tl.zeros([CHUNK], dtype=tl.int64)
+    for first in range(0, count, CHUNK):
+        lanes = first + tl.arange(0, CHUNK)
+        place = at + 2 * lanes.to(tl.int64)
+        live = (lanes < count) & (place >= 0) & (place + 2 <= total)
+        offset = tl.load((payload_ptr + place).to(tl.pointer_type(tl.int16)), mask=live, other=0)
+        largest = tl.maximum(largest, offset.to(tl.int64) & 0xFFFF)
+    tl.store(out_ptr + block, tl.max(largest, axis=0))
+
+
 # --- one fused pass per bucket ------------------------------------------------------------
 # A bucket's tensors of one kind (source dtype, rollout dtype) are cut into tiles of
 # ``ROWS * 32 * STEPS`` elements, numbered across the bucket. A program finds its tile's
