@@ -13,8 +13,6 @@ from weightsync.delta_codec import (
     CHECK_ROW_WORDS,
     DeltaFormatError,
     Section,
-    _batched_blocks,
-    _blocks,
     _check_section,
     _payload_tables,
     _sections_fit,
@@ -381,18 +379,3 @@ def test_the_section_checks_at_once_refuse_what_one_by_one_refuses(edits) -> Non
         apply_payload(payload, params)
     except DeltaFormatError:
         assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
-
-
-def test_blocks_found_for_many_sections_at_once_equal_each_sections_own() -> None:
-    """The device's batched block search (one host sync for every section) finds the runs
-    `torch.unique_consecutive` finds, for sorted, unsorted, repeated and empty elements."""
-    cases = [
-        torch.tensor([1, 2, BLOCK_ELEMENTS, BLOCK_ELEMENTS * 3 + 7]),
-        torch.tensor([BLOCK_ELEMENTS * 2 + 5, 3, BLOCK_ELEMENTS + 1, 4, 5]),
-        torch.tensor([7, 7, 7]),
-        torch.zeros(0, dtype=torch.int64),
-        torch.arange(0, BLOCK_ELEMENTS * 5, 977),
-    ]
-    for (starts, counts), elements in zip(_batched_blocks(cases), cases, strict=True):
-        expected = _blocks(elements)
-        assert torch.equal(starts, expected[0]) and torch.equal(counts, expected[1])

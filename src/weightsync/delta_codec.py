@@ -176,7 +176,7 @@ def encode_payload(sections: Sequence[Section], device: torch.device | str) -> t
                 f"section of parameter {section.param_index}: "
                 f"{section.elements.numel()} elements but {section.values.numel()} values"
             )
-    blocks = _section_blocks(sections)
+    blocks = [_blocks(s.elements) if s.elements is not None else None for s in sections]
     num_blocks = [b[0].numel() if b is not None else 0 for b in blocks]
     places = _layout(sections, num_blocks)
     total = places[-1]
@@ -216,35 +216,6 @@ def encode_payload(sections: Sequence[Section], device: torch.device | str) -> t
         joined = torch.cat(block_rows).reshape(-1)
         payload[places[1] : places[1] + joined.numel() * 8].copy_(joined.view(torch.uint8))
     return payload
-
-
-def _section_blocks(sections: Sequence[Section]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Each section's ``(block starts, counts)`` (`_blocks`; None for a dense one). On a
-    device, with one host sync for all of them: each section's runs are marked there, one
-    look at how many there are sizes every result, and they are gathered without another
-    wait (a sync per section would wait for the device once per section)."""
-    sparse = [s.elements for s in sections if s.elements is not None]
-    if not sparse or sparse[0].device.type == "cpu":
-        return [_blocks(s.elements) if s.elements is not None else None for s in sections]
-    each = iter(_batched_blocks(sparse))
-    return [next(each) if s.elements is not None else None for s in sections]
-
-
-def _batched_blocks(sparse: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`_blocks` of each tensor of element indices in `sparse`, with one host sync."""
-    ids = [elements >> 16 for elements in sparse]
-    firsts = []
-    for block in ids:
-        first = torch.ones_like(block, dtype=torch.bool)
-        first[1:] = block[1:] != block[:-1]
-        firsts.append(first)
-    sizes = torch.stack([first.sum() for first in firsts]).tolist()
-    found = []
-    for block, first, size in zip(ids, firsts, sizes, strict=True):
-        at = torch.nonzero_static(first, size=size).reshape(-1)
-        ends = torch.cat([at[1:], at.new_tensor([block.numel()])])
-        found.append(((block[at] << 16), ends - at))
-    return found
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
