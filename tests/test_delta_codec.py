@@ -347,14 +347,17 @@ def two_params_payload():
 EDGES = [-(1 << 62), -9, -8, -1, 0, 1, 2, 3, 4, 7, 8, 64, 1 << 16, (1 << 16) + 1, 1 << 40, 1 << 62]
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    edits=st.lists(
-        st.tuples(st.integers(0, 2 * 8 + 4 * 2 - 1), st.sampled_from(EDGES), st.booleans()),
-        min_size=1,
-        max_size=3,
-    )
+# Up to three edits of the table words of `two_params_payload` (2 section rows of 8 words,
+# then 4 block rows of 2): ``(word, value, whether it is added to the word or replaces it)``.
+TABLE_EDITS = st.lists(
+    st.tuples(st.integers(0, 2 * 8 + 4 * 2 - 1), st.sampled_from(EDGES), st.booleans()),
+    min_size=1,
+    max_size=3,
 )
+
+
+@settings(max_examples=300, deadline=None)
+@given(edits=TABLE_EDITS)
 def test_the_section_checks_at_once_refuse_what_one_by_one_refuses(edits) -> None:
     """Tables checked all at once (`_sections_fit`) pass exactly where every section passes
     its own check, whatever words a careless or hostile writer left in them; a payload either

@@ -14,14 +14,13 @@ import os
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     # Read when Triton is imported: its kernels then run in its interpreter, on the host.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from test_delta_codec import EDGES, _named, _one_change, _payloads, two_params_payload
+from test_delta_codec import TABLE_EDITS, _named, _one_change, _payloads, two_params_payload
 from weightsync import delta_kernels
 from weightsync.delta_codec import (
     BLOCK_ELEMENTS,
@@ -233,13 +232,7 @@ def test_the_fused_scatter_refuses_a_block_past_its_parameter_and_writes_nothing
 
 @NO_LOADED_BOUNDS
 @settings(max_examples=60, deadline=None)
-@given(
-    edits=st.lists(
-        st.tuples(st.integers(0, 2 * 8 + 4 * 2 - 1), st.sampled_from(EDGES), st.booleans()),
-        min_size=1,
-        max_size=3,
-    )
-)
+@given(edits=TABLE_EDITS)
 def test_the_fused_scatter_refuses_what_the_host_refuses_and_writes_the_same(edits) -> None:
     """Whatever words a careless or hostile writer left in the tables, the fused scatter
     refuses the payload exactly where the host path does (writing nothing), and otherwise

@@ -567,30 +567,15 @@ def _scatter_payload(
             done.changes.setdefault(i, []).append(change)
         else:
             bits[begin : begin + n].copy_(values)
-    if not derive:
-        for g in groups:
-            delta_kernels.scatter_blocks(
-                payload,
-                g.element_size,
-                addresses_d[g.param],
-                g.starts,
-                g.counts,
-                g.offsets_at,
-                g.values_at,
-            )
-        return done
     moved = torch.zeros(num_params, dtype=torch.int64, device=device)
     repeats = torch.zeros(num_params, dtype=torch.int64, device=device)
     for g in groups:
+        tables = (addresses_d[g.param], g.starts, g.counts, g.offsets_at, g.values_at)
+        if not derive:
+            delta_kernels.scatter_blocks(payload, g.element_size, *tables)
+            continue
         change, strict = delta_kernels.scatter_blocks_changes(
-            payload,
-            g.element_size,
-            addresses_d[g.param],
-            g.starts,
-            g.counts,
-            g.offsets_at,
-            g.values_at,
-            grids_d[g.param],
+            payload, g.element_size, *tables, grids_d[g.param]
         )
         moved.index_add_(0, g.param, change)
         repeats.index_add_(0, g.param, 1 - strict)
@@ -599,6 +584,8 @@ def _scatter_payload(
         later = g.owner[1:] == g.owner[:-1]
         back = (later & (g.starts[1:] <= g.starts[:-1])).to(torch.int64)
         repeats.index_add_(0, g.param[1:], back)
+    if not derive:
+        return done
     done.moved, done.repeats = moved, repeats
     done.summed = tuple(sorted(set(index[~dense].tolist())))
     # Two sections of one parameter scatter at once, not one after the other.

@@ -578,6 +578,13 @@ SCATTER_CHUNK = 1024
 """Elements a `scatter_blocks` program writes at a time."""
 
 
+def _bits(element_size: int):
+    """Triton's integer type of `element_size` bytes (the raw bits a scatter moves)."""
+    import triton.language as tl
+
+    return {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
+
+
 def scatter_blocks(
     payload: torch.Tensor,
     element_size: int,
@@ -599,9 +606,7 @@ def scatter_blocks(
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("scatter_blocks needs Triton")
-    import triton.language as tl
-
-    bits = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
+    bits = _bits(element_size)
     if dest.numel():
         tables = [t.contiguous() for t in (dest, start, count, offsets_at, values_at)]
         kernels[3][(dest.numel(),)](*tables, payload, BITS=bits, CHUNK=SCATTER_CHUNK)
@@ -630,9 +635,7 @@ def scatter_blocks_changes(
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("scatter_blocks_changes needs Triton")
-    import triton.language as tl
-
-    bits = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
+    bits = _bits(element_size)
     change = torch.zeros(dest.numel(), dtype=torch.int64, device=payload.device)
     strict = torch.ones(dest.numel(), dtype=torch.int64, device=payload.device)
     if dest.numel():
