@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "sync.py"
 KEYS = (
     "workload",
@@ -63,6 +65,7 @@ def test_quick_bench_prints_a_table_and_one_json_line(tmp_path):
     assert "joined weights update group" in logs
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_p2p_over_mooncake_tcp_is_faster_than_the_broadcast_baseline_in_the_same_run(tmp_path):
     # Rows of down_proj at tp2 are 8 KiB: long enough that a sender writing every row of a
     # row-parallel slice as a write of its own (16,000 writes a sync) is slower than the

@@ -345,6 +345,7 @@ class _HealthProbe:
             self.num_answered += 1
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_a_large_body_without_the_key_is_refused_from_its_head(replica):
     # The head alone is answered: no byte of the body is sent before the reply.
     with socket.create_connection(_address(replica.url)) as sock:
@@ -498,6 +499,7 @@ def test_an_authenticated_connection_outlives_the_unauthenticated_timeout(replic
     record("authenticated keep-alive connection", "open past the unauthenticated timeout", took)
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_a_large_body_parses_while_the_event_loop_answers():
     from weightsync.server.http import PARSE_INLINE_BYTES, parse_json
 

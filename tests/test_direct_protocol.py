@@ -247,6 +247,7 @@ def test_a_request_whose_client_left_is_not_run(served, caplog) -> None:
     assert recorder.calls == ["begin target", "end stall"]
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_an_authenticated_connection_outlives_uvicorns_keep_alive() -> None:
     app = _app(Recorder())
     limits = ConnectionLimits(unauthenticated_timeout_s=0.3)

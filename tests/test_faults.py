@@ -203,6 +203,7 @@ def test_a_second_client_can_neither_end_nor_resume_anothers_session(replica) ->
 # 4. One sick replica does not take the healthy ones offline.
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_dead_frozen_and_busy_replicas_are_dropped_and_the_healthy_one_updated(
     long_checkpoint, tmp_path
 ) -> None:

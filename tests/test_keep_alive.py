@@ -128,6 +128,7 @@ def test_a_chunked_reply_is_read_whole(url) -> None:
     assert json.loads(_run(main())) == {"parts": [1, 2, 3]}
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_a_timeout_closes_the_connection_and_the_next_request_opens_one(url) -> None:
     async def main() -> tuple[int, int]:
         connection = KeepAliveConnection(url)

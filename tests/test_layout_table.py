@@ -195,6 +195,7 @@ def test_returned_tables_are_independent_copies() -> None:
     assert hf_tensor_shapes(config)
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_large_moe_table_builds_fast() -> None:
     # A Qwen3-30B-A3B-sized model with 48 layers of 128 experts, at tp=8 without ep (every
     # rank holds a slice of every expert: the most segments per rank).

@@ -342,6 +342,7 @@ def test_a_killed_peer_fails_fast(
         mapped.close()
 
 
+@pytest.mark.serial  # wall-clock bounds: not beside another test
 def test_a_hung_peer_fails_within_the_timeout(
     writer: MooncakeTransport, source: np.ndarray, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
