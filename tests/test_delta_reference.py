@@ -106,3 +106,28 @@ def test_the_fused_encode_runs_only_for_large_tensors_that_need_a_cast() -> None
     assert not fuses(torch.float32, torch.bfloat16, big - 1)
     assert not fuses(torch.bfloat16, torch.bfloat16, big * 4)
     assert not fuses(torch.bfloat16, torch.float8_e4m3fn, big)  # a cast it does not make
+
+
+@pytest.mark.parametrize(("name", "dtype", "source"), [CASES[0], CASES[5]])
+def test_changes_stay_what_they_were_while_later_tensors_are_encoded(
+    name, dtype, source, monkeypatch
+) -> None:
+    """The changes the host encoder returned for one tensor are their own memory, untouched
+    by the tensors encoded after it (a push holds them until it lays its payloads out), for
+    elements split out of 8-byte words and for 8-byte elements alike."""
+    monkeypatch.setattr(delta_reference, "_HOST_CHUNK", 1 << 12)
+    generator = torch.Generator().manual_seed(3)
+    reference = DeltaReference("host")
+    tensors = {n: torch.randn(n * 1000 + 7, generator=generator).to(source) for n in (5, 50, 9)}
+    for n, weights in tensors.items():
+        reference.record(name, f"w{n}", weights.to(dtype))
+    found, kept = [], []
+    for n, weights in tensors.items():
+        moved = (weights.to(torch.float32) * 1.5).to(source)
+        changes = reference.encode(name, f"w{n}", moved)
+        assert changes.elements.numel() > 0
+        found.append(changes)
+        kept.append((changes.elements.clone(), changes.old.clone(), changes.new.clone()))
+    for changes, (elements, old, new) in zip(found, kept, strict=True):
+        assert torch.equal(changes.elements, elements)
+        assert torch.equal(changes.old, old) and torch.equal(changes.new, new)
