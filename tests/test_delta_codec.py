@@ -369,7 +369,7 @@ def test_the_section_checks_at_once_refuse_what_one_by_one_refuses(edits) -> Non
     total, sections, blocks = _payload_tables(payload)
     numels = np.array([p.numel() for p in params])
     sizes = np.array([p.element_size() for p in params])
-    at_once = _sections_fit(sections, blocks, numels, sizes, total) is not None
+    at_once = _sections_fit(sections, blocks, numels, sizes, total)
     try:
         for row in sections.tolist():
             _check_section(row, blocks, params, total)

@@ -305,31 +305,12 @@ def _payload_tables(
     return total, sections, rows
 
 
-@dataclass(frozen=True, slots=True)
-class _Tables:
-    """A payload's tables, every section checked against the parameters it writes.
-
-    Attributes:
-        total: the payload's bytes.
-        sections: int64 ``[sections, SECTION_WORDS]``, as the payload lays them out.
-        blocks: int64 ``[blocks, 2]`` (start element, count).
-        owner: for each block of a sparse section, in the sections' order, its section.
-        block_rows: those blocks' rows in `blocks`.
-        numels, sizes: the parameters' elements and element sizes, by index.
-    """
-
-    total: int
-    sections: np.ndarray
-    blocks: np.ndarray
-    owner: np.ndarray
-    block_rows: np.ndarray
-    numels: np.ndarray
-    sizes: np.ndarray
-
-
-def _checked_tables(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> _Tables:
-    """`payload`'s tables, every section checked against its parameter (index, element
-    count, bounds) at once; the first section that does not fit is named by `_check_section`.
+def _checked_tables(
+    payload: torch.Tensor, params: Sequence[torch.Tensor]
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """`_payload_tables` of `payload`, every section checked against its parameter (index,
+    element count, bounds) at once; the first section that does not fit is named by
+    `_check_section`.
 
     Raises:
         DeltaFormatError: a bad head or tables, or a section that does not fit.
@@ -337,23 +318,20 @@ def _checked_tables(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> _T
     total, sections, blocks = _payload_tables(payload)
     numels = np.array([p.numel() for p in params], dtype=np.int64)
     sizes = np.array([p.element_size() for p in params], dtype=np.int64)
-    checked = _sections_fit(sections, blocks, numels, sizes, total)
-    if checked is None:
+    if not _sections_fit(sections, blocks, numels, sizes, total):
         for row in sections.tolist():
             _check_section(row, blocks, params, total)
         raise DeltaFormatError("the payload's sections do not fit its parameters")
-    owner, block_rows = checked
-    return _Tables(total, sections, blocks, owner, block_rows, numels, sizes)
+    return total, sections, blocks
 
 
 def _sections_fit(
     sections: np.ndarray, blocks: np.ndarray, numels: np.ndarray, sizes: np.ndarray, total: int
-) -> tuple[np.ndarray, np.ndarray] | None:
+) -> bool:
     """Whether every section fits its parameter (of `numels` elements of `sizes` bytes) and
-    the payload's `total` bytes, as `_check_section` checks one: ``(owner, block rows)`` of
-    the sparse sections' blocks where they all do, None otherwise."""
+    the payload's `total` bytes, its blocks included, as `_check_section` checks one."""
     if not _section_fields_fit(sections, blocks.shape[0], numels, sizes, total):
-        return None
+        return False
     index, kind, count, _, _, first, nblocks, _ = sections.T
     sparse = kind == SectionKind.SPARSE
     spans = np.where(sparse, nblocks, 0)
@@ -363,11 +341,9 @@ def _sections_fit(
     starts, counts = blocks[block_rows, 0], blocks[block_rows, 1]
     numel = numels[index[owner]]
     if ((counts < 0) | (counts > BLOCK_ELEMENTS) | (starts < 0) | (starts >= numel)).any():
-        return None
+        return False
     added = np.concatenate([[0], np.cumsum(counts)])
-    if (sparse & (added[begins + spans] - added[begins] != count)).any():
-        return None
-    return owner, block_rows
+    return not (sparse & (added[begins + spans] - added[begins] != count)).any()
 
 
 def _section_fields_fit(
@@ -406,13 +382,13 @@ def _read_payload(payload: torch.Tensor, params: Sequence[torch.Tensor]) -> list
     Raises:
         DeltaFormatError: a bad magic, version or size, or a section that does not fit.
     """
-    tables = _checked_tables(payload, params)
-    blocks = torch.from_numpy(tables.blocks)
+    _, sections, block_rows = _checked_tables(payload, params)
+    blocks = torch.from_numpy(block_rows)
     writes: list[_Write] = []
     highest: list[torch.Tensor] = []
     # The block table goes to the payload's device once, not once per section.
     blocks_on_device = blocks.to(payload.device) if blocks.shape[0] else blocks
-    for row in tables.sections.tolist():
+    for row in sections.tolist():
         index, kind, count, values_at, offsets_at, first, nblocks, start = row
         param = as_bits(params[index])
         values = payload[values_at : values_at + count * param.element_size()].view(param.dtype)
@@ -506,8 +482,9 @@ def _scatter_payload(
     grids = (numels * sizes + 7) // 8 // CHECK_ROW_WORDS * CHECK_ROW_WORDS
     # One upload of every small table: the sections' columns, the parameters', and each
     # element size's blocks per section.
+    spans_by_kind = [np.where(size == k, spans, 0) for k in kinds]
     columns = [index, count, offsets_at, values_at, first, numels, addresses, grids]
-    columns += [np.where(size == k, spans, 0) for k in kinds]
+    columns += spans_by_kind
     upload = torch.from_numpy(np.concatenate(columns)).to(device)
     num_sections, num_params = len(index), len(params)
     cut = [num_sections] * 5 + [num_params] * 3 + [num_sections] * len(kinds)
@@ -519,18 +496,17 @@ def _scatter_payload(
     groups: list[_Blocks] = []
     faults: list[torch.Tensor] = []
     sections_d = torch.arange(num_sections, device=device)
-    for k, spans_k in zip(kinds, spans_d, strict=True):
-        owner = torch.repeat_interleave(
-            sections_d, spans_k, output_size=int(np.where(size == k, spans, 0).sum())
-        )
+    for k, spans_k, on_host in zip(kinds, spans_d, spans_by_kind, strict=True):
+        owner = torch.repeat_interleave(sections_d, spans_k, output_size=int(on_host.sum()))
         begins = torch.cumsum(spans_k, 0) - spans_k
         local = torch.arange(owner.numel(), device=device) - begins[owner]
         # Contiguous columns: a kernel indexes its tables by block.
         starts, counts = block_table[first_d[owner] + local].T.contiguous()
         param = index_d[owner]
         numel = numels_d[param]
-        faults.append(((counts < 0) | (counts > BLOCK_ELEMENTS) | (starts < 0)).any())
-        faults.append((starts >= numel).any())
+        faults.append(
+            ((counts < 0) | (counts > BLOCK_ELEMENTS) | (starts < 0) | (starts >= numel)).any()
+        )
         added = torch.cumsum(counts, 0) - counts
         before = added - added[begins[owner]]
         totals = torch.zeros(num_sections, dtype=torch.int64, device=device)
