@@ -119,9 +119,9 @@ class DeltaReference:
         once. With it in host memory, the tensor (cast on its device first when it is not
         on the host) is read in cache-sized chunks: each is cast into one reused buffer and
         compared with the reference eight bytes at a time into one reused mask, and only the
-        words that differ are gathered and written into the reference; those words are split
-        into their elements once per tensor, not once per chunk. Memory sees one read of
-        the tensor and one of the reference, and a write of the changed words only.
+        words that differ are gathered, written into the reference and split into their
+        elements while the chunk is still in the cache. Memory sees one read of the tensor
+        and one of the reference, and a write of the changed words and elements only.
 
         Raises:
             ValueError: no reference of ``hf_name`` in this dtype and size (the caller
@@ -171,17 +171,15 @@ class DeltaReference:
             if words.size:
                 new, old = new_words.take(words), ref_chunk.take(words)
                 ref_chunk.put(words, new)
-                words += start // per_word
-                found.append((words, new, old))
-        elements, new, old = _split_words(found, per_word, element)
+                # Split into elements while the chunk's words are still in the cache.
+                found.append(_split_words(words, new, old, element, start // per_word))
         if whole < numel:  # the last elements, fewer than a word
             tail = self._chunk_bits(flat[whole:], dtype)
             ref_tail = ref_np[whole:]
             differ = np.flatnonzero(tail != ref_tail)
-            elements = np.concatenate([elements, differ + whole])
-            new = np.concatenate([new, tail[differ]])
-            old = np.concatenate([old, ref_tail[differ]])
+            found.append((differ + whole, tail[differ], ref_tail[differ]))
             ref_tail[differ] = tail[differ]
+        elements, new, old = _joined(found, element)
         return Changes(
             elements=torch.from_numpy(elements),
             old=torch.from_numpy(old),
@@ -229,25 +227,42 @@ _HOST_CHUNK = 1 << 19
 
 
 def _split_words(
-    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]], per_word: int, element: np.dtype
+    words: np.ndarray,
+    new_words: np.ndarray,
+    old_words: np.ndarray,
+    element: np.dtype,
+    first: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(elements, new, old)`` of the elements that differ inside the changed words
-    `found` (``(word indices, new words, old words)`` per chunk), ascending."""
-    if not found:
-        empty = np.zeros(0, dtype=element)
-        return np.zeros(0, dtype=np.int64), empty, empty.copy()
-    words = np.concatenate([f[0] for f in found])
-    new_words = np.concatenate([f[1] for f in found])
-    old_words = np.concatenate([f[2] for f in found])
+    """``(elements, new, old)`` of the elements (raw bits of `element`) that differ inside
+    the changed `words` (their indices counted from word `first`, ascending, and their new
+    and old bits, words of 8 bytes or single elements), ascending."""
+    per_word = new_words.itemsize // element.itemsize
     if per_word == 1:
-        return words, new_words, old_words
+        return words + first, new_words, old_words
     new_lanes, old_lanes = new_words.view(element), old_words.view(element)
     lanes = np.flatnonzero(new_lanes != old_lanes)
     shift = per_word.bit_length() - 1
     elements = words.take(lanes >> shift)
+    elements += first
     elements <<= shift
     elements |= lanes & (per_word - 1)
     return elements, new_lanes.take(lanes), old_lanes.take(lanes)
+
+
+def _joined(
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]], element: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chunks' ``(elements, new, old)`` of `found` joined (empty arrays of `element`
+    bits where none changed)."""
+    if not found:
+        empty = np.zeros(0, dtype=element)
+        return np.zeros(0, dtype=np.int64), empty, empty.copy()
+    if len(found) == 1:
+        return found[0]
+    elements = np.concatenate([f[0] for f in found])
+    new = np.concatenate([f[1] for f in found])
+    old = np.concatenate([f[2] for f in found])
+    return elements, new, old
 
 
 def _device_changes(bits: torch.Tensor, ref: torch.Tensor) -> Changes:
