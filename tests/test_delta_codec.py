@@ -23,6 +23,7 @@ from weightsync.delta_codec import (
     checksum_tensor,
     checksums,
     encode_payload,
+    lay_out,
     payload_size,
 )
 
@@ -71,6 +72,34 @@ def test_payload_round_trip_is_bit_exact_and_checksums_predict_the_result(densit
     for index, param in enumerate(params):
         assert torch.equal(as_bits(param), as_bits(expected[index]))
         assert int(checksum_tensor(param)) == predicted[index]
+
+
+def test_a_payload_laid_out_in_used_memory_is_the_same_bytes() -> None:
+    """Written into memory that held other bytes (a sender's reused buffer, at an offset),
+    a payload is byte for byte what a fresh one is, its padding included; memory too small
+    or not bytes is refused before anything is written."""
+    generator = torch.Generator().manual_seed(11)
+    params = _params(generator)
+    sections = [
+        Section(param_index=index, elements=elements, values=new)
+        for index, elements, new in _changes(params, generator, 0.05)
+    ]
+    sections.append(
+        Section(param_index=0, elements=None, values=as_bits(params[0])[:3].clone(), start=0)
+    )
+    fresh = encode_payload(sections, "cpu")
+    layout = lay_out(sections)
+    assert layout.num_bytes == fresh.numel() == payload_size(sections).num_bytes
+    used = torch.full((fresh.numel() + 64,), 0xAB, dtype=torch.uint8)
+    layout.write(used[8:])
+    assert torch.equal(used[8 : 8 + fresh.numel()], fresh)
+    assert (used[:8] == 0xAB).all() and (used[8 + fresh.numel() :] == 0xAB).all()
+    small = torch.full((fresh.numel() - 8,), 0xAB, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="at least that large"):
+        layout.write(small)
+    assert (small == 0xAB).all()
+    with pytest.raises(ValueError, match="at least that large"):
+        layout.write(torch.zeros(fresh.numel(), dtype=torch.int16))
 
 
 def test_dense_sections_write_runs() -> None:

@@ -128,9 +128,10 @@ class PayloadSize:
 def payload_size(sections: Sequence[Section]) -> PayloadSize:
     """How many bytes `encode_payload` will produce for `sections` (one device sync per sparse
     section, to count its blocks)."""
-    blocks = [_blocks(s.elements)[0].numel() if s.elements is not None else 0 for s in sections]
-    num_bytes = _layout(sections, blocks)[-1]
-    return PayloadSize(num_bytes=num_bytes, num_elements=sum(s.values.numel() for s in sections))
+    return PayloadSize(
+        num_bytes=lay_out(sections).num_bytes,
+        num_elements=sum(s.values.numel() for s in sections),
+    )
 
 
 def _blocks(elements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +160,107 @@ def _layout(sections: Sequence[Section], num_blocks: Sequence[int]) -> list[int]
 
 
 def encode_payload(sections: Sequence[Section], device: torch.device | str) -> torch.Tensor:
-    """`sections` laid out as one payload (uint8) on `device`.
+    """`sections` laid out as one payload (uint8) on `device` (`lay_out`, then
+    `PayloadLayout.write` into a new tensor).
+
+    Raises:
+        ValueError: a section whose values are not integer bits, or whose element count
+            differs from its values'.
+    """
+    layout = lay_out(sections)
+    payload = torch.empty(layout.num_bytes, dtype=torch.uint8, device=device)
+    layout.write(payload)
+    return payload
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadLayout:
+    """Where each part of one payload goes, known before any of it is written (`lay_out`),
+    so that a sender can size the memory it writes the payload into first.
+
+    Attributes:
+        sections: the payload's sections, in order.
+        blocks: per section, its blocks' ``(starts, counts)`` (None for a dense section).
+        places: byte offsets: the section table, the block table, each section's offsets
+            and values, and the end (`num_bytes`).
+    """
+
+    sections: tuple[Section, ...]
+    blocks: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+    places: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        """The payload's size."""
+        return self.places[-1]
+
+    def write(self, out: torch.Tensor) -> None:
+        """Write the payload into the first `num_bytes` of `out` (uint8, contiguous, on any
+        device; the sections' tensors are copied there). Every one of those bytes is
+        written, the alignment padding as zeros, so that the payload does not depend on
+        what `out` held.
+
+        Raises:
+            ValueError: `out` is not a contiguous uint8 tensor of at least `num_bytes`.
+        """
+        total = self.num_bytes
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < total:
+            raise ValueError(
+                f"a payload of {total} bytes needs a contiguous uint8 tensor at least that "
+                f"large, got {out.dtype} of {out.numel()} elements"
+            )
+        places = self.places
+        num_blocks = [b[0].numel() if b is not None else 0 for b in self.blocks]
+        out[:total].zero_()
+        rows, block_rows = [], []
+        first_block = 0
+        for i, (section, block) in enumerate(zip(self.sections, self.blocks, strict=True)):
+            offsets_at, values_at = places[2 + 2 * i], places[3 + 2 * i]
+            count = section.values.numel()
+            rows.append(
+                [
+                    section.param_index,
+                    int(section.kind),
+                    count,
+                    values_at,
+                    offsets_at,
+                    first_block,
+                    num_blocks[i],
+                    section.start,
+                ]
+            )
+            if block is not None and section.elements is not None:
+                starts, counts = block
+                block_rows.append(torch.stack([starts, counts], dim=1))
+                first_block += num_blocks[i]
+                # An element's offset in its block is its low 16 bits: the int16 cast keeps
+                # them (integer casts wrap), in one pass and no temporary.
+                out[offsets_at : offsets_at + 2 * count].view(torch.int16).copy_(section.elements)
+            value_bytes = count * section.values.element_size()
+            out[values_at : values_at + value_bytes].copy_(
+                section.values.reshape(-1).view(torch.uint8)
+            )
+        head = [
+            MAGIC,
+            FORMAT_VERSION,
+            len(self.sections),
+            sum(num_blocks),
+            places[0],
+            places[1],
+            total,
+            0,
+        ]
+        table = torch.tensor([head, *rows], dtype=torch.int64).reshape(-1)
+        out[: places[1]].copy_(table.view(torch.uint8))
+        if block_rows:
+            # One copy of every block row, wherever the sections' elements lie.
+            joined = torch.cat(block_rows).reshape(-1)
+            out[places[1] : places[1] + joined.numel() * 8].copy_(joined.view(torch.uint8))
+
+
+def lay_out(sections: Sequence[Section]) -> PayloadLayout:
+    """Where each part of a payload of `sections` goes (one device sync per sparse section,
+    to count its blocks); `PayloadLayout.write` then writes it.
 
     Raises:
         ValueError: a section whose values are not integer bits, or whose element count
@@ -176,46 +277,11 @@ def encode_payload(sections: Sequence[Section], device: torch.device | str) -> t
                 f"section of parameter {section.param_index}: "
                 f"{section.elements.numel()} elements but {section.values.numel()} values"
             )
-    blocks = [_blocks(s.elements) if s.elements is not None else None for s in sections]
+    blocks = tuple(_blocks(s.elements) if s.elements is not None else None for s in sections)
     num_blocks = [b[0].numel() if b is not None else 0 for b in blocks]
-    places = _layout(sections, num_blocks)
-    total = places[-1]
-    payload = torch.zeros(total, dtype=torch.uint8, device=device)
-    rows, block_rows = [], []
-    first_block = 0
-    for i, (section, block) in enumerate(zip(sections, blocks, strict=True)):
-        offsets_at, values_at = places[2 + 2 * i], places[3 + 2 * i]
-        count = section.values.numel()
-        rows.append(
-            [
-                section.param_index,
-                int(section.kind),
-                count,
-                values_at,
-                offsets_at,
-                first_block,
-                num_blocks[i],
-                section.start,
-            ]
-        )
-        if block is not None and section.elements is not None:
-            starts, counts = block
-            block_rows.append(torch.stack([starts, counts], dim=1))
-            first_block += num_blocks[i]
-            offsets = (section.elements & 0xFFFF).to(torch.int32).to(torch.int16)
-            payload[offsets_at : offsets_at + 2 * count].view(torch.int16).copy_(offsets)
-        value_bytes = count * section.values.element_size()
-        payload[values_at : values_at + value_bytes].copy_(
-            section.values.reshape(-1).view(torch.uint8)
-        )
-    head = [MAGIC, FORMAT_VERSION, len(sections), sum(num_blocks), places[0], places[1], total, 0]
-    table = torch.tensor([head, *rows], dtype=torch.int64).reshape(-1)
-    payload[: places[1]].copy_(table.view(torch.uint8))
-    if block_rows:
-        # One copy of every block row, wherever the sections' elements lie.
-        joined = torch.cat(block_rows).reshape(-1)
-        payload[places[1] : places[1] + joined.numel() * 8].copy_(joined.view(torch.uint8))
-    return payload
+    return PayloadLayout(
+        sections=tuple(sections), blocks=blocks, places=tuple(_layout(sections, num_blocks))
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
