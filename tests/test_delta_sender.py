@@ -193,6 +193,7 @@ def _sync_rounds(
         stats = pusher.push(plan.for_source(pusher.rank), TensorsExport(held), [], token=1)
         assert stats.token == 1 and not stats.written
     generator = torch.Generator().manual_seed(5)
+    registered = None
     for token in range(2, 2 + rounds):
         _step(model, generator, fraction)
         state = _hf_state(model)
@@ -213,6 +214,11 @@ def _sync_rounds(
                 payloads[session] += write.payloads
                 for name, change in write.changes.items():
                     changes[session][name] = wrap_int64(changes[session].get(name, 0) + change)
+        # Each pusher lays its payloads out in one registered buffer, kept from push to
+        # push while they fit (steps of one size).
+        assert len(transport.regions) == len(ranks) + num_sources
+        registered = registered or set(transport.regions)
+        assert set(transport.regions) == registered
         for rank in ranks:
             session = rank.target.session_id
             order = [rank.params[n] for n in sorted(rank.params)]

@@ -6,8 +6,9 @@ changed elements are found once per tensor, whatever the number of targets and l
 Each layout then takes the changed elements that land in its parameters, by the plan's run
 tables (`weightsync.plan.delta`), as ``(parameter, element)`` pairs; at the end of the
 stream each layout's changes are laid out as one payload (`weightsync.delta_codec`),
-written to every delta target of that layout into this rank's slot of the target's delta
-region (the region split evenly over the trainer's ranks, so that sources never overlap).
+straight into this rank's registered buffer, and written to every delta target of that
+layout into this rank's slot of the target's delta region (the region split evenly over the
+trainer's ranks, so that sources never overlap) while the next layout's payload is laid out.
 Beside each payload the push reports, per parameter, how the rank's writes move the
 parameter's checksum (`weightsync.delta_codec.checksum_change`), which the driver adds to
 the target's proven base to get the checksum the target must reach.
@@ -31,6 +32,7 @@ way.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 
 from weightsync import delta_kernels
-from weightsync.delta_codec import Section, checksum_change, encode_payload
+from weightsync.delta_codec import PayloadLayout, Section, checksum_change, lay_out
 from weightsync.export.base import WeightExport
 from weightsync.layout.dtypes import DTYPE_SIZES
 from weightsync.plan.delta import DeltaMap, DeltaTarget, delta_maps
@@ -328,11 +330,36 @@ def _joined(
 
 @dataclass(slots=True)
 class _Pieces:
-    """Changed elements one layout's parameter collects over the stream."""
+    """Changed elements one layout's parameter collects over the stream, and how each piece
+    moves the parameter's checksum (`weightsync.delta_codec.checksum_change`: a 0-d int64
+    tensor on the elements' device)."""
 
     elements: list[torch.Tensor] = field(default_factory=list)
     new: list[torch.Tensor] = field(default_factory=list)
-    old: list[torch.Tensor] = field(default_factory=list)
+    moved: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One layout's payload: its delta targets, their share of the push (without the
+    checksum changes), each parameter's pieces' checksum changes, and the payload's layout
+    (None: no element of the layout changed)."""
+
+    targets: list[TargetRank]
+    share: DeltaWrite
+    moved: dict[str, list[torch.Tensor]]
+    layout: PayloadLayout | None
+
+
+def _moved(moved: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, int]:
+    """``{param_name: checksum change}``, each the sum of its pieces' `moved`, one host sync
+    for all of them where they lie on one device."""
+    flat = [change for changes in moved.values() for change in changes]
+    if len({change.device for change in flat}) == 1:
+        values = iter(torch.stack(flat).tolist())
+    else:
+        values = iter(int(change) for change in flat)
+    return {name: wrap_int64(sum(next(values) for _ in changes)) for name, changes in moved.items()}
 
 
 class DeltaPush:
@@ -425,6 +452,7 @@ class DeltaPush:
             if any(t.session_id in sessions for t in ranks)
         }
         by_name = {name: index for index, m in enumerate(maps) for name in m.tensors}
+        infos = _layout_ranks(plan, wanted)
         pieces: dict[tuple[int, int, str], _Pieces] = {}
         pins = PushPins(self.rank)
         names: list[str] = []
@@ -461,15 +489,15 @@ class DeltaPush:
                 if bucket_bytes >= BUCKET_BYTES:
                     num_changed += self._encode_bucket(bucket, pending)
                     bucket, bucket_bytes = [], 0
-                    self._file(pending, wanted, pieces)
+                    self._file(pending, infos, pieces)
                 continue
             changes = self.reference.encode(delta_map.dtype, hf_name, tensor)
             num_changed += changes.elements.numel()
             pending.append((index, delta_map, hf_name, changes))
             if not bucket:
-                self._file(pending, wanted, pieces)
+                self._file(pending, infos, pieces)
         num_changed += self._encode_bucket(bucket, pending)
-        self._file(pending, wanted, pieces)
+        self._file(pending, infos, pieces)
         encoded = time.perf_counter()
         missing = by_name.keys() - set(names)
         if missing:
@@ -480,7 +508,9 @@ class DeltaPush:
         pins.check(until="the delta push encoding it")
         self.reference.complete(token)
         written, failed = (
-            self._write(plan, maps, targets, pieces, frozenset(pulls)) if targets else ({}, {})
+            self._write(plan, maps, targets, infos, pieces, frozenset(pulls))
+            if targets
+            else ({}, {})
         )
         end = time.perf_counter()
         return DeltaStats(
@@ -519,16 +549,16 @@ class DeltaPush:
     def _file(
         self,
         pending: list[tuple[int, DeltaMap, str, Changes | None]],
-        wanted: set[tuple[int, int]],
+        infos: Mapping[tuple[int, int], TargetRank],
         pieces: dict[tuple[int, int, str], _Pieces],
     ) -> None:
-        """File the changes of `pending`'s tensors under the layouts, in order, up to the
-        first still in a bucket; those filed leave `pending`."""
+        """File the changes of `pending`'s tensors under the wanted layouts (`infos`), in
+        order, up to the first still in a bucket; those filed leave `pending`."""
         filed = 0
         for index, delta_map, hf_name, changes in pending:
             if changes is None:
                 break
-            self._collect(index, delta_map, hf_name, changes, wanted, pieces)
+            self._collect(index, delta_map, hf_name, changes, infos, pieces)
             filed += 1
         del pending[:filed]
 
@@ -538,15 +568,22 @@ class DeltaPush:
         delta_map: DeltaMap,
         hf_name: str,
         changes: Changes,
-        wanted: set[tuple[int, int]],
+        infos: Mapping[tuple[int, int], TargetRank],
         pieces: dict[tuple[int, int, str], _Pieces],
     ) -> None:
-        """File `changes` of one tensor under each wanted layout's parameters."""
+        """File `changes` of one tensor under each wanted layout's parameters (`infos`: a
+        rank of each, for its parameters' sizes), with how they move each one's checksum:
+        computed here, while the changes are fresh in the cache, not when the payload is
+        laid out.
+
+        Raises:
+            ValueError: a layout's ranks do not publish a parameter the plan writes.
+        """
         if not changes.elements.numel():
             return
         chosen = []
         for target in delta_map.tensors[hf_name]:
-            if (index, target.layout_id) not in wanted:
+            if (index, target.layout_id) not in infos:
                 continue
             runs = self._runs.get(id(target))
             if runs is None:
@@ -564,26 +601,35 @@ class DeltaPush:
             positions, elements = runs.map(changes.elements, changes.numel, found)
             if not elements.numel():
                 continue
+            rank = infos[(index, target.layout_id)]
+            info = rank.weights_info.get(target.param_name)
+            if info is None:
+                raise ValueError(f"{rank.label} publishes no parameter {target.param_name!r}")
+            new = changes.new[positions]
             piece = pieces.setdefault((index, target.layout_id, target.param_name), _Pieces())
             piece.elements.append(elements)
-            piece.new.append(changes.new[positions])
-            piece.old.append(changes.old[positions])
+            piece.new.append(new)
+            piece.moved.append(
+                checksum_change(elements, changes.old[positions], new, numel=info[1])
+            )
 
     def _write(
         self,
         plan: SourcePlan,
         maps: tuple[DeltaMap, ...],
         targets: Sequence[TargetRank],
+        infos: Mapping[tuple[int, int], TargetRank],
         pieces: dict[tuple[int, int, str], _Pieces],
         pulls: frozenset[str],
     ) -> tuple[dict[str, DeltaWrite], dict[str, str]]:
-        """Lay out each wanted layout's payload and write it to its delta targets (those
-        in `pulls` get where it lies instead)."""
+        """Lay out each wanted layout's payload in registered memory and write it to its
+        delta targets (those in `pulls` get where it lies instead).
+
+        Every payload's size is known before any is written (`lay_out`), so they are laid
+        out straight into the registered buffer, one after another, each written as soon as
+        it is there: laying out the next one overlaps the writes of those before it."""
         sessions = {t.session_id: t for t in targets}
-        # A part's targets publish only that part's parameters; a payload numbers the
-        # parameters among all the rank publishes (the whole plan's targets).
-        published = {t.session_id: t for ranks in plan.targets.values() for t in ranks}
-        payloads: list[tuple[list[TargetRank], torch.Tensor]] = []
+        jobs: list[_Job] = []
         per_target = dict.fromkeys(sessions, DeltaWrite())
         device = self._payload_device(pieces)
         for index in range(len(maps)):
@@ -594,45 +640,54 @@ class DeltaPush:
                 mine = [t for t in ranks if t.session_id in sessions]
                 if not mine:
                     continue
-                whole = published.get(mine[0].session_id, mine[0])
-                sections, changes, count = self._sections(index, layout_id, whole, pieces)
+                rank = infos[(index, layout_id)]
+                sections, moved = self._sections(index, layout_id, rank, pieces)
                 share = DeltaWrite(
-                    num_elements=count,
+                    num_elements=sum(s.values.numel() for s in sections),
                     full_bytes=full.get(layout_id, 0),
                     full_elements=full.get(layout_id, 0) // element_size,
-                    changes=changes,
                 )
-                for target in mine:
-                    per_target[target.session_id] += share
-                if sections:
-                    payloads.append((mine, encode_payload(sections, device)))
-        buffer, places = self._stage([payload for _, payload in payloads], device)
+                jobs.append(_Job(mine, share, moved, lay_out(sections) if sections else None))
+        buffer = self._buffer_for(sum(j.layout.num_bytes for j in jobs if j.layout), device)
         failed: dict[str, str] = {}
         used: dict[str, int] = dict.fromkeys(sessions, 0)
         self._queue.start()
         session_id = self._transport.session_id
-        for (mine, payload), place in zip(payloads, places, strict=True):
-            for target in mine:
+        place = 0
+        for job in jobs:
+            if job.layout is None:
+                continue
+            size = job.layout.num_bytes
+            job.layout.write(buffer[place : place + size])
+            if device.type == "cuda":
+                # The transport reads the buffer from its own stream: the payload lands first.
+                torch.cuda.current_stream(device).synchronize()
+            for target in job.targets:
                 if target.session_id in pulls:
-                    where = (session_id, buffer.data_ptr() + place, payload.numel())
+                    where = (session_id, buffer.data_ptr() + place, size)
                     per_target[target.session_id] += DeltaWrite(pulled=(where,))
                     continue
                 addr, region_bytes = target.delta_region  # type: ignore[misc]
                 slot_bytes = region_bytes // self.world_size // 8 * 8
                 offset = self.rank * slot_bytes + used[target.session_id]
-                if used[target.session_id] + payload.numel() > slot_bytes:
+                if used[target.session_id] + size > slot_bytes:
                     failed[target.session_id] = (
-                        f"{target.label}: the delta ({used[target.session_id] + payload.numel()}"
+                        f"{target.label}: the delta ({used[target.session_id] + size}"
                         f" bytes from trainer rank {self.rank}) does not fit its slot of the "
                         f"delta region ({slot_bytes} bytes of {region_bytes}, split over "
                         f"{self.world_size} trainer ranks); it needs a full sync, or a larger "
                         "region (weightsync serve --delta-region-mb)"
                     )
                     continue
-                used[target.session_id] += payload.numel()
-                per_target[target.session_id] += DeltaWrite(payloads=((offset, payload.numel()),))
-                run = WriteRun(place, addr + offset, payload.numel(), "(delta payload)")
+                used[target.session_id] += size
+                per_target[target.session_id] += DeltaWrite(payloads=((offset, size),))
+                run = WriteRun(place, addr + offset, size, "(delta payload)")
                 self._queue.submit(target, [run], ring_base=buffer.data_ptr(), slot=0)
+            place += size
+        for job in jobs:
+            share = dataclasses.replace(job.share, changes=_moved(job.moved))
+            for target in job.targets:
+                per_target[target.session_id] += share
         self._queue.wait_all()
         for session, error in self._queue.failed.items():
             failed.setdefault(session, str(error))
@@ -645,31 +700,18 @@ class DeltaPush:
         layout_id: int,
         target: TargetRank,
         pieces: dict[tuple[int, int, str], _Pieces],
-    ) -> tuple[list[Section], dict[str, int], int]:
-        """One layout's sections, its checksum changes by parameter, its element count."""
+    ) -> tuple[list[Section], dict[str, list[torch.Tensor]]]:
+        """One layout's sections, and each parameter's pieces' checksum changes."""
         order = {name: i for i, name in enumerate(sorted(target.weights_info))}
-        sections, names, moves = [], [], []
-        count = 0
+        sections, moved = [], {}
         for (part, layout, param_name), piece in sorted(pieces.items()):
             if (part, layout) != (index, layout_id):
                 continue
-            if param_name not in order:
-                raise ValueError(f"{target.label} publishes no parameter {param_name!r}")
             elements = torch.cat(piece.elements)
             new = torch.cat(piece.new)
-            old = torch.cat(piece.old)
-            numel = target.weights_info[param_name][1]
             sections.append(Section(param_index=order[param_name], elements=elements, values=new))
-            names.append(param_name)
-            moves.append(checksum_change(elements, old, new, numel=numel))
-            count += elements.numel()
-        # One host sync for every parameter's change where they lie on one device.
-        if len({m.device for m in moves}) == 1:
-            moved = torch.stack(moves).tolist()
-        else:
-            moved = [int(m) for m in moves]
-        changes = dict(zip(names, moved, strict=True))
-        return sections, changes, count
+            moved[param_name] = piece.moved
+        return sections, moved
 
     def _payload_device(self, pieces: Mapping[tuple[int, int, str], _Pieces]) -> torch.device:
         """Where the payloads are laid out and staged: the GPU the changes lie on, where the
@@ -681,34 +723,25 @@ class DeltaPush:
             break
         return torch.device("cpu")
 
-    def _stage(
-        self, payloads: list[torch.Tensor], device: torch.device
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Copy `payloads` into registered memory on `device` the transport reads; their
-        offsets there."""
-        places, total = [], 0
-        for payload in payloads:
-            places.append(total)
-            total += payload.numel()
+    def _buffer_for(self, num_bytes: int, device: torch.device) -> torch.Tensor:
+        """Registered memory on `device` the transport reads, of at least `num_bytes`: the
+        last push's buffer where it is large enough, else a new one with a quarter more
+        room (a later push's delta is rarely much larger, and registering costs)."""
         buffer = self._buffer
-        if buffer is None or buffer.numel() < total or buffer.device != device:
-            if buffer is not None:
-                self._queue.drain()
-                self._transport.unregister(buffer.data_ptr())
-                self._buffer = None
-            size = max(total, 1 << 20)
-            if device.type == "cuda":
-                buffer = torch.empty(size, dtype=torch.uint8, device=device)
-            else:
-                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            self._transport.register(buffer.data_ptr(), buffer.numel())
-            self._buffer = buffer
-        for payload, place in zip(payloads, places, strict=True):
-            buffer[place : place + payload.numel()].copy_(payload)
+        if buffer is not None and buffer.numel() >= num_bytes and buffer.device == device:
+            return buffer
+        if buffer is not None:
+            self._queue.drain()
+            self._transport.unregister(buffer.data_ptr())
+            self._buffer = None
+        size = max(num_bytes + num_bytes // 4, 1 << 20)
         if device.type == "cuda":
-            # The transport reads the buffer from its own stream: the copies land first.
-            torch.cuda.current_stream(device).synchronize()
-        return buffer, places
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._transport.register(buffer.data_ptr(), buffer.numel())
+        self._buffer = buffer
+        return buffer
 
     def release(self) -> None:
         """Unregister and free the payload buffer (the reference stays)."""
@@ -720,6 +753,21 @@ class DeltaPush:
 
 def _part(plan: SourcePlan, index: int) -> SourcePlan:
     return plan.parts[index] if plan.parts else plan
+
+
+def _layout_ranks(
+    plan: SourcePlan, layouts: Collection[tuple[int, int]]
+) -> dict[tuple[int, int], TargetRank]:
+    """A rank of each ``(part, layout_id)`` of `layouts`, as the whole plan's targets have it:
+    a part's targets publish only that part's parameters, and a payload numbers the
+    parameters among all the rank publishes (a layout's ranks publish the same names and
+    sizes)."""
+    published = {t.session_id: t for ranks in plan.targets.values() for t in ranks}
+    found = {}
+    for index, layout_id in layouts:
+        first = _part(plan, index).targets[layout_id][0]
+        found[(index, layout_id)] = published.get(first.session_id, first)
+    return found
 
 
 def _full_bytes(plan: SourcePlan) -> dict[int, int]:
