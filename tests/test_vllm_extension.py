@@ -267,6 +267,10 @@ def test_a_delta_sync_applies_verifies_and_generation_follows(
 
     (second,) = rank_shards(models["second"], 1)
     (first,) = rank_shards(models["first"], 1)
+    # The base is the second checkpoint whatever ran before (a selection of tests may not
+    # have synced it).
+    (end,) = sync(server, writer, [init_reply], [second], version="second")
+    assert end["success"] and end["verified"], end
     (begun,) = rpc(server, "weightsync_begin", {})
     assert begun["success"], begun
     (base,) = rpc(server, "weightsync_delta_checksums", {})
