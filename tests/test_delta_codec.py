@@ -184,11 +184,14 @@ def test_checksums_of_many_parameters_and_unaligned_views() -> None:
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
-def test_the_host_and_device_checksum_changes_agree(dtype) -> None:
+@pytest.mark.parametrize("rows", [8, 300], ids=["one-pass", "several-passes"])
+def test_the_host_and_device_checksum_changes_agree(dtype, rows) -> None:
+    """The host's change (in passes of `_CHANGE_CHUNK` elements, in any order, some in the
+    grid's partial last row) is the device's and the checksums' difference."""
     from weightsync.delta_codec import _device_change, _host_change, _weights
 
     generator = torch.Generator().manual_seed(9)
-    numel = CHECK_ROW_WORDS * 8 + 13  # a grid and a tail
+    numel = CHECK_ROW_WORDS * rows + 13  # a grid and a tail
     param = torch.randn(numel, generator=generator).to(dtype)
     elements = torch.randperm(numel, generator=generator)[: numel // 3]
     bits = as_bits(param)

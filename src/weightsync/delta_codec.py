@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -1132,6 +1133,25 @@ def _host_weights(num_words: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarr
     return rows, row_w.numpy(), col_w.numpy(), tail_w.numpy()
 
 
+# Elements a host checksum change takes per pass: its four int64 scratch arrays (1 MiB) stay
+# in the cache, and no pass allocates. Arrays as large as a tensor's changes would be fresh
+# memory each time (glibc hands large freed blocks back to the kernel): their page faults
+# cost more than the arithmetic.
+_CHANGE_CHUNK = 1 << 15
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+_scratch = threading.local()
+
+
+def _change_scratch() -> np.ndarray:
+    """This thread's scratch of `_host_change_arrays`: 4 rows of `_CHANGE_CHUNK` int64."""
+    arrays = getattr(_scratch, "arrays", None)
+    if arrays is None:
+        arrays = _scratch.arrays = np.empty((4, _CHANGE_CHUNK), dtype=np.int64)
+    return arrays
+
+
 def _host_change_arrays(
     elements: np.ndarray,
     old: np.ndarray,
@@ -1141,29 +1161,43 @@ def _host_change_arrays(
     col_w: np.ndarray,
     tail_w: np.ndarray,
 ) -> int:
-    """`checksum_change` with numpy (its int64 arithmetic wraps as torch's does, in fewer
-    passes), of `elements` (int64) going from `old` to `new` (raw bits, same dtype)."""
+    """`checksum_change` with numpy (its int64 arithmetic wraps as torch's does), of
+    `elements` (int64) going from `old` to `new` (raw bits, same dtype), a cache-sized
+    chunk at a time in reused scratch."""
     size = new.itemsize
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
-    diff = new.view(unsigned).astype(np.int64)
-    if size < 8:
-        diff -= old.view(unsigned)  # widened on the way, no temporary
-        # An element's word and its lane's bit offset in it, by shifts (sizes are powers of 2).
-        per_word = 8 // size
-        word = elements >> (per_word.bit_length() - 1)
-        diff <<= (elements & (per_word - 1)) << ((8 * size).bit_length() - 1)
-    else:
-        diff -= old.view(np.int64)
-        word = elements
+    # Unsigned below 8 bytes (an element's bits, zero-extended into its lane); 8-byte words
+    # as int64, whose differences wrap (int64 and uint64 would meet in float64).
+    bits = _UNSIGNED[size] if size < 8 else np.int64
+    new_bits, old_bits = new.view(bits), old.view(bits)
+    per_word = 8 // size
+    # An element's word and its lane's bit offset in it, by shifts (sizes are powers of 2).
+    word_shift = per_word.bit_length() - 1
+    lane_shift = (8 * size).bit_length() - 1
     grid_words = rows * CHECK_ROW_WORDS
-    if not len(word) or int(word.max()) < grid_words:
-        weight = row_w[word >> _ROW_SHIFT]
-        weight += col_w[word & (CHECK_ROW_WORDS - 1)]
-    else:
-        in_grid = word < grid_words
-        weight = np.empty_like(word)
-        grid = word[in_grid]
-        weight[in_grid] = row_w[grid >> _ROW_SHIFT] + col_w[grid & (CHECK_ROW_WORDS - 1)]
-        weight[~in_grid] = tail_w[word[~in_grid] - grid_words]
-    diff *= weight
-    return int(diff.sum(dtype=np.int64))
+    scratch = _change_scratch()
+    total = 0
+    for start in range(0, elements.size, _CHANGE_CHUNK):
+        stop = min(start + _CHANGE_CHUNK, elements.size)
+        diff, other, word, weight = (row[: stop - start] for row in scratch)
+        part = elements[start:stop]
+        np.copyto(diff, new_bits[start:stop])
+        np.subtract(diff, old_bits[start:stop], out=diff)
+        if size < 8:
+            np.bitwise_and(part, per_word - 1, out=other)
+            np.left_shift(other, lane_shift, out=other)
+            np.left_shift(diff, other, out=diff)
+        np.right_shift(part, word_shift, out=word)
+        if int(word.max()) < grid_words:
+            np.right_shift(word, _ROW_SHIFT, out=other)
+            np.take(row_w, other, out=weight, mode="clip")
+            np.bitwise_and(word, CHECK_ROW_WORDS - 1, out=word)
+            np.take(col_w, word, out=other, mode="clip")
+            weight += other
+        else:  # some in the grid's last, partial row: their own weights
+            in_grid = word < grid_words
+            grid = word[in_grid]
+            weight[in_grid] = row_w[grid >> _ROW_SHIFT] + col_w[grid & (CHECK_ROW_WORDS - 1)]
+            weight[~in_grid] = tail_w[word[~in_grid] - grid_words]
+        diff *= weight
+        total += int(diff.sum(dtype=np.int64))
+    return _wrap_int64(total)
