@@ -707,8 +707,9 @@ class DeltaPush:
         for (part, layout, param_name), piece in sorted(pieces.items()):
             if (part, layout) != (index, layout_id):
                 continue
-            elements = torch.cat(piece.elements)
-            new = torch.cat(piece.new)
+            # Most parameters take one piece: no copy of it.
+            elements = piece.elements[0] if len(piece.elements) == 1 else torch.cat(piece.elements)
+            new = piece.new[0] if len(piece.new) == 1 else torch.cat(piece.new)
             sections.append(Section(param_index=order[param_name], elements=elements, values=new))
             moved[param_name] = piece.moved
         return sections, moved
