@@ -330,36 +330,47 @@ def _joined(
 
 @dataclass(slots=True)
 class _Pieces:
-    """Changed elements one layout's parameter collects over the stream, and how each piece
-    moves the parameter's checksum (`weightsync.delta_codec.checksum_change`: a 0-d int64
-    tensor on the elements' device)."""
+    """Changed elements one layout's parameter collects over the stream."""
 
     elements: list[torch.Tensor] = field(default_factory=list)
     new: list[torch.Tensor] = field(default_factory=list)
-    moved: list[torch.Tensor] = field(default_factory=list)
+    old: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Move:
+    """What one parameter's checksum change is computed from: its changed elements, their
+    old and new bits, and the parameter's element count."""
+
+    param_name: str
+    elements: torch.Tensor
+    old: torch.Tensor
+    new: torch.Tensor
+    numel: int
 
 
 @dataclass(frozen=True, slots=True)
 class _Job:
     """One layout's payload: its delta targets, their share of the push (without the
-    checksum changes), each parameter's pieces' checksum changes, and the payload's layout
-    (None: no element of the layout changed)."""
+    checksum changes), what those are computed from, and the payload's layout (None: no
+    element of the layout changed)."""
 
     targets: list[TargetRank]
     share: DeltaWrite
-    moved: dict[str, list[torch.Tensor]]
+    moves: list[_Move]
     layout: PayloadLayout | None
 
 
-def _moved(moved: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, int]:
-    """``{param_name: checksum change}``, each the sum of its pieces' `moved`, one host sync
-    for all of them where they lie on one device."""
-    flat = [change for changes in moved.values() for change in changes]
-    if len({change.device for change in flat}) == 1:
-        values = iter(torch.stack(flat).tolist())
+def _moved(moves: Sequence[_Move]) -> dict[str, int]:
+    """``{param_name: checksum change}`` of `moves`, one per parameter (a fused experts
+    parameter takes hundreds of pieces: one change over all of them, not one each), with one
+    host sync for all where they lie on one device."""
+    found = [checksum_change(m.elements, m.old, m.new, numel=m.numel) for m in moves]
+    if len({change.device for change in found}) == 1:
+        values = torch.stack(found).tolist()
     else:
-        values = iter(int(change) for change in flat)
-    return {name: wrap_int64(sum(next(values) for _ in changes)) for name, changes in moved.items()}
+        values = [int(change) for change in found]
+    return dict(zip((m.param_name for m in moves), values, strict=True))
 
 
 class DeltaPush:
@@ -572,9 +583,7 @@ class DeltaPush:
         pieces: dict[tuple[int, int, str], _Pieces],
     ) -> None:
         """File `changes` of one tensor under each wanted layout's parameters (`infos`: a
-        rank of each, for its parameters' sizes), with how they move each one's checksum:
-        computed here, while the changes are fresh in the cache, not when the payload is
-        laid out.
+        rank of each, whose parameters the layout publishes).
 
         Raises:
             ValueError: a layout's ranks do not publish a parameter the plan writes.
@@ -602,16 +611,12 @@ class DeltaPush:
             if not elements.numel():
                 continue
             rank = infos[(index, target.layout_id)]
-            info = rank.weights_info.get(target.param_name)
-            if info is None:
+            if target.param_name not in rank.weights_info:
                 raise ValueError(f"{rank.label} publishes no parameter {target.param_name!r}")
-            new = changes.new[positions]
             piece = pieces.setdefault((index, target.layout_id, target.param_name), _Pieces())
             piece.elements.append(elements)
-            piece.new.append(new)
-            piece.moved.append(
-                checksum_change(elements, changes.old[positions], new, numel=info[1])
-            )
+            piece.new.append(changes.new[positions])
+            piece.old.append(changes.old[positions])
 
     def _write(
         self,
@@ -627,7 +632,8 @@ class DeltaPush:
 
         Every payload's size is known before any is written (`lay_out`), so they are laid
         out straight into the registered buffer, one after another, each written as soon as
-        it is there: laying out the next one overlaps the writes of those before it."""
+        it is there: laying out the next one overlaps the writes of those before it, and
+        so does computing each parameter's checksum change, which only the reply needs."""
         sessions = {t.session_id: t for t in targets}
         jobs: list[_Job] = []
         per_target = dict.fromkeys(sessions, DeltaWrite())
@@ -641,13 +647,13 @@ class DeltaPush:
                 if not mine:
                     continue
                 rank = infos[(index, layout_id)]
-                sections, moved = self._sections(index, layout_id, rank, pieces)
+                sections, moves = self._sections(index, layout_id, rank, pieces)
                 share = DeltaWrite(
                     num_elements=sum(s.values.numel() for s in sections),
                     full_bytes=full.get(layout_id, 0),
                     full_elements=full.get(layout_id, 0) // element_size,
                 )
-                jobs.append(_Job(mine, share, moved, lay_out(sections) if sections else None))
+                jobs.append(_Job(mine, share, moves, lay_out(sections) if sections else None))
         buffer = self._buffer_for(sum(j.layout.num_bytes for j in jobs if j.layout), device)
         failed: dict[str, str] = {}
         used: dict[str, int] = dict.fromkeys(sessions, 0)
@@ -685,7 +691,7 @@ class DeltaPush:
                 self._queue.submit(target, [run], ring_base=buffer.data_ptr(), slot=0)
             place += size
         for job in jobs:
-            share = dataclasses.replace(job.share, changes=_moved(job.moved))
+            share = dataclasses.replace(job.share, changes=_moved(job.moves))
             for target in job.targets:
                 per_target[target.session_id] += share
         self._queue.wait_all()
@@ -700,19 +706,19 @@ class DeltaPush:
         layout_id: int,
         target: TargetRank,
         pieces: dict[tuple[int, int, str], _Pieces],
-    ) -> tuple[list[Section], dict[str, list[torch.Tensor]]]:
-        """One layout's sections, and each parameter's pieces' checksum changes."""
+    ) -> tuple[list[Section], list[_Move]]:
+        """One layout's sections, and what each parameter's checksum change is computed
+        from (`_moved`)."""
         order = {name: i for i, name in enumerate(sorted(target.weights_info))}
-        sections, moved = [], {}
+        sections, moves = [], []
         for (part, layout, param_name), piece in sorted(pieces.items()):
             if (part, layout) != (index, layout_id):
                 continue
-            # Most parameters take one piece: no copy of it.
-            elements = piece.elements[0] if len(piece.elements) == 1 else torch.cat(piece.elements)
-            new = piece.new[0] if len(piece.new) == 1 else torch.cat(piece.new)
+            elements, new, old = (_joined_pieces(p) for p in (piece.elements, piece.new, piece.old))
             sections.append(Section(param_index=order[param_name], elements=elements, values=new))
-            moved[param_name] = piece.moved
-        return sections, moved
+            numel = target.weights_info[param_name][1]
+            moves.append(_Move(param_name, elements, old, new, numel))
+        return sections, moves
 
     def _payload_device(self, pieces: Mapping[tuple[int, int, str], _Pieces]) -> torch.device:
         """Where the payloads are laid out and staged: the GPU the changes lie on, where the
@@ -750,6 +756,11 @@ class DeltaPush:
             self._queue.drain()
             self._transport.unregister(self._buffer.data_ptr())
             self._buffer = None
+
+
+def _joined_pieces(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`pieces` as one tensor (most parameters take one piece: no copy of it)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces))
 
 
 def _part(plan: SourcePlan, index: int) -> SourcePlan:
