@@ -721,8 +721,9 @@ class DeltaPush:
         return sections, moves
 
     def _payload_device(self, pieces: Mapping[tuple[int, int, str], _Pieces]) -> torch.device:
-        """Where the payloads are laid out and staged: the GPU the changes lie on, where the
-        transport reads that GPU's memory (no copy through the host), else the host."""
+        """Where the payloads are laid out, in registered memory: the GPU the changes lie on,
+        where the transport reads that GPU's memory (no copy through the host), else the
+        host."""
         for piece in pieces.values():
             device = piece.elements[0].device
             if device.type == "cuda" and self._transport.capabilities.reads("cuda", device.index):
