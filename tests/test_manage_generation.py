@@ -78,14 +78,16 @@ def test_only_weightsyncs_part_of_the_lifecycle_runs(replica: str) -> None:
             expected = greedy_tokens(model, torch.float32, (PROMPT,), 4)[0]
             assert list(reply.output_ids) == expected
 
-            # A write fails part-way: the session is ended, the weights are marked
-            # incomplete, and nothing resumes the replica; it refuses to continue or serve
-            # until a complete update lands, whatever the host asks.
+            # A write fails part-way while the two before it are still on their way: the
+            # session is ended before they land, the weights are marked incomplete all the
+            # same, and nothing resumes the replica; it refuses to continue or serve until a
+            # complete update lands, whatever the host asks, before and after they land.
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(0.01)
             host_pauses(replica)
             transport.remaining = 2
+            transport.hold()
             with pytest.raises(TransferError, match="injected failure") as failed:
                 sync.sync(ModelExport(model), version="8")
             assert "stay paused" in " ".join(getattr(failed.value, "__notes__", []))
@@ -99,6 +101,9 @@ def test_only_weightsyncs_part_of_the_lifecycle_runs(replica: str) -> None:
                 call(replica, "continue_generation")
             with pytest.raises(RemoteReplicaError, match="incomplete"):
                 call(replica, "generate", list(PROMPT), max_new_tokens=2)
+            transport.release()  # the late bytes land
+            with pytest.raises(RemoteReplicaError, match="incomplete"):
+                call(replica, "continue_generation")
 
             transport.remaining = None
             host_pauses(replica)

@@ -142,15 +142,47 @@ def test_an_expired_lease_after_writes_leaves_the_replica_incomplete(
     assert weights_state(replica) == {"complete": True, "incomplete_reason": None, "verified": True}
 
 
-def test_an_expired_lease_without_writes_keeps_the_weights(replica, trainer) -> None:
+def test_an_expired_lease_leaves_the_weights_incomplete_before_any_write_lands(
+    replica, trainer, outsider
+) -> None:
+    # A holder that lost its lease may be stuck, not dead: what it wrote may land after the
+    # lease expired. Nothing had landed when it did, yet the weights are incomplete, and
+    # stay so once the late write lands.
     serve_again(trainer, seed=4)
     call(replica, "pause_generation")
     call(replica, "begin_weight_update", lease_s=0.5)
     time.sleep(1.5)
     assert call(replica, "get_server_info")["weightsync"]["session"]["state"] == "closed"
+    state = weights_state(replica)
+    assert not state["complete"] and "lease expired" in state["incomplete_reason"]
+    overwrite(outsider, replica, "model.norm.weight")  # the stuck holder's write lands
+    with pytest.raises(RemoteReplicaError, match="incomplete"):
+        call(replica, "continue_generation")
+    assert "incomplete" in generate_refusal(replica)
+    serve_again(trainer, seed=10)  # the next sync recovers
     assert weights_state(replica)["complete"]
-    call(replica, "continue_generation")
-    assert generate_refusal(replica) is None
+
+
+def test_an_abandoned_session_leaves_the_weights_incomplete_whatever_arrived(
+    replica, trainer
+) -> None:
+    # Nothing landed by the end, yet the holder's writes may still: the end is no error,
+    # but the weights stay incomplete until a complete update, and the reply says so.
+    serve_again(trainer, seed=8)
+    call(replica, "pause_generation")
+    token = call(replica, "begin_weight_update", lease_s=30.0).session_token
+    reply = call(
+        replica, "end_weight_update", session_token=token, abandoned="a write to rank 1 failed"
+    )
+    assert "abandoned" in reply.message and "incomplete" in reply.message
+    state = weights_state(replica)
+    assert not state["complete"] and not state["verified"]
+    assert "a write to rank 1 failed" in state["incomplete_reason"]
+    assert call(replica, "get_server_info")["weightsync"]["session"]["state"] == "closed"
+    with pytest.raises(RemoteReplicaError, match="incomplete"):
+        call(replica, "continue_generation")
+    serve_again(trainer, seed=9)  # the next sync recovers
+    assert weights_state(replica) == {"complete": True, "incomplete_reason": None, "verified": True}
 
 
 def test_digests_that_do_not_match_fail_the_end_and_name_the_parameters(replica, trainer) -> None:

@@ -207,6 +207,7 @@ class RolloutClient(AsyncHttpClient):
         session_token: str | None = None,
         digests: dict[int, dict[str, int]] | None = None,
         unverified: bool = False,
+        abandoned: str | None = None,
         timeout_s: float | None = None,
     ) -> SuccessResponse:
         """``POST /end_weight_update``: close the session after the bytes arrived.
@@ -217,6 +218,9 @@ class RolloutClient(AsyncHttpClient):
                 (servers with capability ``weight_update_digest`` verify them).
             unverified: the trainers computed no digests: a labelled leased session then
                 ends complete but unverified (`EndWeightUpdateRequest`).
+            abandoned: why the holder gives the session up after its writes began (servers
+                with capability ``weight_update_lease``): the weights are then incomplete,
+                since writes may still land after the end.
             timeout_s: this call's timeout.
 
         Raises:
@@ -225,7 +229,10 @@ class RolloutClient(AsyncHttpClient):
         """
         body = _without_none(
             EndWeightUpdateRequest(
-                session_token=session_token, digests=digests, unverified=unverified or None
+                session_token=session_token,
+                digests=digests,
+                unverified=unverified or None,
+                abandoned=abandoned,
             )
         )
         return await self._success("/end_weight_update", body, timeout_s)

@@ -107,12 +107,16 @@ class EndWeightUpdateRequest(_Request):
     ``digests`` (capability ``weight_update_digest``): per tp rank (a decimal string),
     ``{param_name: digest}`` of what the trainers wrote, verified against what arrived, and
     ``unverified``: the trainers computed no digests (a labelled leased session is complete
-    without digests only with it, and its weights serve as unverified).
+    without digests only with it, and its weights serve as unverified), and ``abandoned``
+    (capability ``weight_update_lease``): the holder gives the session up after its writes
+    began, saying why; writes may still land after the end, so the weights are incomplete
+    whatever arrived.
     """
 
     session_token: str | None = None
     digests: dict[int, dict[str, int]] | None = None
     unverified: bool | None = None
+    abandoned: str | None = None
 
 
 class BeginWeightSyncRequest(_Request):

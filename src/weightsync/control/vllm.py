@@ -283,11 +283,15 @@ class VLLMClient(RolloutClient):
         session_token: str | None = None,
         digests: dict[int, dict[str, int]] | None = None,
         unverified: bool = False,
+        abandoned: str | None = None,
         timeout_s: float | None = None,
     ) -> SuccessResponse:
         """Close the session on every worker (``weightsync_end``): each checks what arrived
         against its rank's `digests` (every worker gets the list of all ranks' and takes its
-        own) and hands staged parameters to vLLM's own processing.
+        own) and hands staged parameters to vLLM's own processing. vLLM keeps no verdict on
+        its weights between sessions (no ``weight_update_lease``), so `abandoned` changes
+        nothing here: the manager's dirty mark keeps a replica whose update failed from its
+        next update's delta and check.
 
         Raises:
             RemoteReplicaError: a rank's bytes differ from its digests (the parameters are

@@ -27,6 +27,7 @@ from weightsync.control.protocol import (
     WEIGHT_SYNC_FENCE,
     WEIGHT_UPDATE_DIGEST,
     WEIGHT_UPDATE_LEASE,
+    ReplicaProtocol,
     refusal,
 )
 from weightsync.errors import LifecycleStepError, RemoteReplicaError, WeightSyncError
@@ -102,6 +103,11 @@ class Lifecycle(Protocol):
         ...
 
 
+def _keeps_verdict(protocol: ReplicaProtocol | None) -> bool:
+    """Whether the replica judges its weights complete or not across sessions."""
+    return protocol is not None and protocol.serves(WEIGHT_UPDATE_LEASE)
+
+
 class ReplicaCalls:
     """The calls every dialect shares: issue to all at once, drop the failed ones, abandon
     and resume.
@@ -149,14 +155,23 @@ class ReplicaCalls:
         return tuple(u for u in replicas if u not in failed)
 
     async def abandon(self, update: OpenUpdate, replicas: Sequence[str], *, resume: bool) -> None:
-        """End every session after a failure; resume serving only if no byte was written."""
+        """End every session after a failure; resume serving only if no byte was written.
+
+        Without `resume` (writes may have begun), a replica that keeps a verdict on its
+        weights (``weight_update_lease``) is told the session is abandoned: a write still in
+        flight may land after the end, so whatever the end saw, the weights are incomplete.
+        """
         timeout = self.config.lifecycle_timeout_s
         tokens = update.sessions.tokens
         began = [u for u in replicas if u in tokens]
+        protocols = self.replicas.protocols
+        why = None if resume else "its holder's update failed; its writes may have begun"
         await asyncio.gather(
             *(
                 self.replicas.clients[u].end_weight_update(
-                    session_token=tokens.pop(u), timeout_s=timeout
+                    session_token=tokens.pop(u),
+                    abandoned=why if _keeps_verdict(protocols.get(u)) else None,
+                    timeout_s=timeout,
                 )
                 for u in began
             ),

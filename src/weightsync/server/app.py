@@ -309,7 +309,10 @@ def create_main_app(
 
         async def end() -> str:
             ended = await controller.end_weight_update(
-                token=body.session_token, digests=body.digests, unverified=bool(body.unverified)
+                token=body.session_token,
+                digests=body.digests,
+                unverified=bool(body.unverified),
+                abandoned=body.abandoned,
             )
             return ended.message
 

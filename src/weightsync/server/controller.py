@@ -297,6 +297,7 @@ class ReplicaController:
         token: str | None = None,
         digests: Mapping[int, Mapping[str, int]] | None = None,
         unverified: bool = False,
+        abandoned: str | None = None,
         after_events: Sequence[str] = (),
         landing_timeout_s: float = LANDING_TIMEOUT_S,
     ) -> SessionEnd:
@@ -313,6 +314,9 @@ class ReplicaController:
             digests: per tp rank, ``{param_name: digest}`` of what the trainers wrote; every
                 rank's digests must be given and match, or the update is incomplete.
             unverified: the holder computed no digests and takes the weights unverified.
+            abandoned: why the holder gives the session up after its writes began: the
+                weights are incomplete whatever arrived, since its writes may still land
+                after the end (the reply says so; it is no error).
             after_events: IPC handles (hex) of the CUDA events the trainers' copies complete
                 at: the end waits for them, up to `landing_timeout_s`, before it verifies
                 (a replica that took `events`).
@@ -341,9 +345,16 @@ class ReplicaController:
             expected_digests(digests, self.info.num_ranks),
             reason="end_weight_update",
             unverified=unverified,
+            abandoned=abandoned,
             after_events=after_events,
             landing_timeout_s=landing_timeout_s,
         )
+        if abandoned is not None:
+            self.step_log.step("weight-update session abandoned: %s", abandoned)
+            return SessionEnd(
+                message=f"Weight update session ended; the weights are incomplete: {problem}",
+                changed_outside=outside,
+            )
         if problem is not None:
             raise ControlError(problem, status_code=400)
         self.step_log.step("weight-update session ended (weight version %s)", self._label.version)

@@ -84,6 +84,7 @@ class WeightIntegrity:
         versioned: bool,
         leased: bool,
         unverified: bool,
+        abandoned: str | None = None,
     ) -> tuple[str | None, tuple[str, ...]]:
         """Decide what the weights are once every rank ended a session (`checks`, by tp
         rank): incomplete when a delta the session applied did not verify on a rank,
@@ -91,8 +92,11 @@ class WeightIntegrity:
         every rank verified the deltas it applied and the holder's ``end_weight_update``
         (`reason`) sent no digests and is not `unverified` (verified then), or when a
         labelled (`versioned`) session ended by ``end_weight_update`` is unleased or
-        `unverified`; incomplete when the digests differ, when a labelled leased session
-        sent none, or when an unlabelled one changed bytes; else as before.
+        `unverified`; incomplete when the session was `abandoned` (by its holder, or its
+        lease expired: writes may land after the end, so what the ranks saw proves
+        nothing), when the digests differ,
+        when a labelled leased session sent none, or when an unlabelled one changed bytes;
+        else as before.
 
         Returns:
             The problem found (None when the update is complete or nothing changed) and,
@@ -105,7 +109,14 @@ class WeightIntegrity:
         changed = by_rank(checks, "changed")
         failed_delta = [rank for rank, check in enumerate(checks) if check.delta is False]
         problem: str | None = None
-        if failed_delta:
+        if abandoned is not None:
+            written = f" after writing {names(changed)}" if changed else ""
+            problem = (
+                f"the weight-update session was abandoned ({abandoned}){written}: writes "
+                "may still land after its end, so the weights are not what any update "
+                "meant; a complete update must land"
+            )
+        elif failed_delta:
             problem = (
                 f"a delta applied in the weight-update session did not verify on tp rank(s) "
                 f"{failed_delta}: the weights are not what the trainers meant, whatever the "

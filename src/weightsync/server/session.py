@@ -240,12 +240,13 @@ class ReplicaSession:
         *,
         reason: str,
         unverified: bool = False,
+        abandoned: str | None = None,
         after_events: Sequence[str] = (),
         landing_timeout_s: float = LANDING_TIMEOUT_S,
     ) -> tuple[str | None, tuple[str, ...]]:
         """Close the session on every rank and decide what the weights now are
         (`WeightIntegrity.judge_end`; `expected`: per tp rank the trainers' digests, `reason`
-        the closing call, `unverified` as ``end_weight_update`` takes it). With
+        the closing call, `unverified` and `abandoned` as ``end_weight_update`` takes them). With
         `after_events` (the IPC handles of the trainers' events), the ranks end it once the
         events are reached, waiting up to `landing_timeout_s`.
 
@@ -290,6 +291,7 @@ class ReplicaSession:
             versioned=self.versioned,
             leased=self.token is not None,
             unverified=unverified,
+            abandoned=abandoned,
         )
         self.verdict = problem
         return problem, outside
@@ -343,4 +345,10 @@ class ReplicaSession:
             "holder is gone or stuck); closing it",
             self.lease_s,
         )
-        await self.close((), reason=f"its lease expired after {self.lease_s:g} s")
+        # Its holder is gone or stuck, and writes it started may land after this end: the
+        # weights are incomplete whatever the ranks see now.
+        await self.close(
+            (),
+            reason=f"its lease expired after {self.lease_s:g} s",
+            abandoned=f"its lease expired after {self.lease_s:g} s without a renewal",
+        )

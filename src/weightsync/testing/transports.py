@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,27 @@ class FailsAfter:
         self.inner = inner
         self.message = message
         self.remaining: int | None = None
+        self._gate: threading.Event | None = None
+        self._held: list[_HeldWrite] = []
+
+    def hold(self) -> None:
+        """Hold back the writes that go through from now on until `release`, as a congested
+        network would: their bytes land after their sender has moved on (or given up on
+        the target)."""
+        self._gate = threading.Event()
+
+    def release(self, timeout_s: float = 30.0) -> None:
+        """Let the held writes start, and wait until every one landed.
+
+        Raises:
+            TransferError: a held write failed, or did not land within `timeout_s`.
+        """
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
+        held, self._held = self._held, []
+        for write in held:
+            write.wait(timeout_s)
 
     @property
     def session_id(self) -> str:
@@ -59,17 +81,55 @@ class FailsAfter:
         dst_addrs: Sequence[int],
         lengths: Sequence[int],
     ) -> Any:
-        """Write through the wrapped transport, or raise once `remaining` reached 0."""
+        """Write through the wrapped transport (once released, while `hold` is on), or
+        raise once `remaining` reached 0."""
         if self.remaining is not None:
             if self.remaining <= 0:
                 raise TransferError(self.message, target_session=target_session, return_code=-1)
             self.remaining -= 1
-        return self.inner.write(target_session, src_addrs, dst_addrs, lengths)
+        if self._gate is None:
+            return self.inner.write(target_session, src_addrs, dst_addrs, lengths)
+        args = (target_session, list(src_addrs), list(dst_addrs), list(lengths))
+        held = _HeldWrite(self.inner, args, self._gate)
+        self._held.append(held)
+        return held
 
     def wait(self, handle: Any, timeout_s: float) -> None:
-        """Wait through the wrapped transport."""
-        self.inner.wait(handle, timeout_s)
+        """Wait through the wrapped transport (for a held write: until it landed)."""
+        if isinstance(handle, _HeldWrite):
+            handle.wait(timeout_s)
+        else:
+            self.inner.wait(handle, timeout_s)
 
     def close(self) -> None:
         """Close the wrapped transport."""
         self.inner.close()
+
+
+class _HeldWrite:
+    """A write that starts once `gate` is set, on a thread of its own."""
+
+    def __init__(
+        self,
+        inner: Transport,
+        args: tuple[str, list[int], list[int], list[int]],
+        gate: threading.Event,
+    ) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            gate.wait()
+            try:
+                inner.wait(inner.write(*args), 30.0)
+            except BaseException as exc:  # handed to whoever waits
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="held-write", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TransferError(f"a held write did not land within {timeout_s:g} s")
+        if self._error is not None:
+            raise self._error
