@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -171,6 +172,13 @@ def test_an_abandoned_session_leaves_the_weights_incomplete_whatever_arrived(
     serve_again(trainer, seed=8)
     call(replica, "pause_generation")
     token = call(replica, "begin_weight_update", lease_s=30.0).session_token
+    overlong = httpx.post(
+        f"{replica}/end_weight_update",
+        json={"session_token": token, "abandoned": "x" * 1001},
+        timeout=30.0,
+    )
+    assert overlong.status_code == 400 and "abandoned" in overlong.text, overlong.text
+    assert call(replica, "get_server_info")["weightsync"]["session"]["state"] == "open"
     reply = call(
         replica, "end_weight_update", session_token=token, abandoned="a write to rank 1 failed"
     )

@@ -109,14 +109,14 @@ class EndWeightUpdateRequest(_Request):
     ``unverified``: the trainers computed no digests (a labelled leased session is complete
     without digests only with it, and its weights serve as unverified), and ``abandoned``
     (capability ``weight_update_lease``): the holder gives the session up after its writes
-    began, saying why; writes may still land after the end, so the weights are incomplete
-    whatever arrived.
+    began, saying why (1 to 1,000 characters); writes may still land after the end, so the
+    weights are incomplete whatever arrived.
     """
 
     session_token: str | None = None
     digests: dict[int, dict[str, int]] | None = None
     unverified: bool | None = None
-    abandoned: str | None = None
+    abandoned: str | None = Field(default=None, min_length=1, max_length=1000)
 
 
 class BeginWeightSyncRequest(_Request):
