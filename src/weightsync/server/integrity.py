@@ -94,9 +94,8 @@ class WeightIntegrity:
         labelled (`versioned`) session ended by ``end_weight_update`` is unleased or
         `unverified`; incomplete when the session was `abandoned` (by its holder, or its
         lease expired: writes may land after the end, so what the ranks saw proves
-        nothing), when the digests differ,
-        when a labelled leased session sent none, or when an unlabelled one changed bytes;
-        else as before.
+        nothing), when the digests differ, when a labelled leased session sent none, or
+        when an unlabelled one changed bytes; else as before.
 
         Returns:
             The problem found (None when the update is complete or nothing changed) and,

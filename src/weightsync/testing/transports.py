@@ -1,4 +1,5 @@
-"""A transport that fails on demand, for tests of writes failing mid-push."""
+"""A transport that fails on demand, or holds writes back to land late, for tests of writes
+failing mid-push."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from weightsync.transport.base import HOST_ONLY, Transport, TransportCapabilitie
 
 class FailsAfter:
     """Wraps a transport; once `remaining` writes went out, every further write raises
-    `TransferError`, as a dead NIC or a killed peer would make it fail.
+    `TransferError`, as a dead NIC or a killed peer would make it fail. Between `hold` and
+    `release` the writes that go through are held back, as on a congested network.
 
     It writes from host memory only, whatever the wrapped transport offers: every write then
     passes through its `write`, where a failure is injected.
