@@ -290,8 +290,8 @@ class VLLMClient(RolloutClient):
         against its rank's `digests` (every worker gets the list of all ranks' and takes its
         own) and hands staged parameters to vLLM's own processing. vLLM keeps no verdict on
         its weights between sessions (no ``weight_update_lease``), so `abandoned` changes
-        nothing here: the manager's dirty mark keeps a replica whose update failed from its
-        next update's delta and check.
+        nothing here: the manager keeps a replica whose update failed paused and dirty, and
+        its next update writes it in full.
 
         Raises:
             RemoteReplicaError: a rank's bytes differ from its digests (the parameters are
