@@ -320,12 +320,10 @@ class _Runs:
 def _joined(
     positions: list[torch.Tensor], destinations: list[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(positions) == 1:
-        return positions[0], destinations[0]
     if not positions:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, empty
-    return torch.cat(positions), torch.cat(destinations)
+    return _joined_pieces(positions), _joined_pieces(destinations)
 
 
 @dataclass(slots=True)

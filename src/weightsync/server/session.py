@@ -347,8 +347,5 @@ class ReplicaSession:
         )
         # Its holder is gone or stuck, and writes it started may land after this end: the
         # weights are incomplete whatever the ranks see now.
-        await self.close(
-            (),
-            reason=f"its lease expired after {self.lease_s:g} s",
-            abandoned=f"its lease expired after {self.lease_s:g} s without a renewal",
-        )
+        expired = f"its lease expired after {self.lease_s:g} s"
+        await self.close((), reason=expired, abandoned=f"{expired} without a renewal")
