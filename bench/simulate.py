@@ -300,6 +300,8 @@ def predict_cluster(densities: list[float]) -> dict[str, Any]:
                 "bytes": delta.num_bytes,
                 "byte_ratio": delta.byte_ratio,
                 "find_s": delta.find_s,
+                "host_s": delta.host_s,
+                "num_tensors": delta.num_tensors,
                 "layout_s": delta.layout_s,
                 "encode_s": delta.encode_s,
                 "wire_s": delta.wire_s,
@@ -367,7 +369,8 @@ def print_cluster(summary: dict[str, Any]) -> None:
             f"{summary['target_s']:g} s target; replica = "
             f"{row['num_checksums']} x checksum "
             f"{row['checksum_s'] * 1e3:.1f} ms + apply {row['apply_s'] * 1e3:.1f} ms; encode = "
-            f"find {row['find_s'] * 1e3:.1f} ms + lay out {row['layout_s'] * 1e3:.1f} ms; wire "
+            f"find {row['find_s'] * 1e3:.1f} ms + host {row['host_s'] * 1e3:.1f} ms "
+            f"({row['num_tensors']} tensors) + lay out {row['layout_s'] * 1e3:.1f} ms; wire "
             f"lower bound {row['wire_lower_bound_s'] * 1e3:.1f} ms"
         )
 

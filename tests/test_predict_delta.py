@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 
 from weightsync.cli.simulate_cmd import SimulateOptionError, SimulateOptions, run_simulation
 from weightsync.delta_codec import BLOCK_ELEMENTS, Section, bits_dtype, encode_payload, payload_size
+from weightsync.layout import hf_tensor_shapes
 from weightsync.layout.quant import fp8_quantization_config
 from weightsync.plan import simulate_targets
 from weightsync.predict import (
     FP8_CODE_DENSITY_RATIO,
     H200_KERNELS,
+    HOST_TENSOR_S,
     DeltaDensity,
     DeltaRates,
     ElementRun,
@@ -210,6 +212,47 @@ def test_rates_refuse_what_cannot_be() -> None:
     good = dataclasses.asdict(DeltaRates.h200())
     with pytest.raises(ValueError, match=r"DeltaRates\.apply_gbps must be a positive number"):
         DeltaRates(**{**good, "apply_gbps": 0.0})
+    for bad in (-1e-6, math.nan, math.inf, "1e-4"):
+        with pytest.raises(ValueError, match=r"DeltaRates\.host_tensor_s must be a number"):
+            DeltaRates(**{**good, "host_tensor_s": bad})
+    assert DeltaRates(**{**good, "host_tensor_s": 0.0}).host_s(1000) == 0.0
+
+
+def test_the_host_pays_for_every_tensor_the_busiest_sender_encodes(full) -> None:
+    config, prediction = full
+    density = DeltaDensity.measured(0.02)
+    rates = DeltaRates.h200()
+    assert rates.host_tensor_s == HOST_TENSOR_S > 0
+    delta = delta_prediction(prediction, config, density=density, rates=rates)
+    # Every tensor a sender's transfers name is encoded once, whatever it writes to how many
+    # targets, and a bf16 weight an FP8 rollout serves is two of its stream's tensors (codes
+    # and scales): the slowest sender's count is among the senders' counts.
+    shapes = hf_tensor_shapes(config)
+    quantized = {
+        unit.key[0]
+        for unit in prediction.units
+        if {run.kind for run in unit.element_runs} == {"fp8_codes", "fp8_scales"}
+    }
+    per_sender = {
+        rank: {key[0] for transfer in queue for key in transfer.units} & shapes.keys()
+        for rank, queue in prediction.schedule.queues.items()
+    }
+    counts = {len(names) + len(names & quantized) for names in per_sender.values()}
+    assert delta.num_tensors in counts
+    assert delta.host_s == pytest.approx(delta.num_tensors * HOST_TENSOR_S)
+    # Without the host's share, the same prediction's encode is its device work alone, and
+    # the host's share only ever adds.
+    bare = delta_prediction(
+        prediction, config, density=density, rates=dataclasses.replace(rates, host_tensor_s=0.0)
+    )
+    assert bare.host_s == 0.0
+    assert bare.encode_s == pytest.approx(bare.find_s + bare.layout_s)
+    assert delta.encode_s >= bare.encode_s
+    assert delta.total_s == pytest.approx(delta.encode_s + delta.wire_s + delta.replica_s)
+    slow = dataclasses.replace(rates, host_tensor_s=10 * HOST_TENSOR_S)
+    slower = delta_prediction(prediction, config, density=density, rates=slow)
+    assert slower.host_s == pytest.approx(slower.num_tensors * 10 * HOST_TENSOR_S)
+    assert slower.encode_s > delta.encode_s
 
 
 # --- predictions on modelled clusters ---------------------------------------------------------
@@ -323,7 +366,7 @@ def test_a_transfer_carries_a_payload_of_its_units_sections(full) -> None:
 def test_phases_add_up(full) -> None:
     config, prediction = full
     delta = delta_prediction(prediction, config, density=DeltaDensity.measured(0.05))
-    assert delta.encode_s == pytest.approx(delta.find_s + delta.layout_s)
+    assert delta.encode_s == pytest.approx(delta.find_s + delta.host_s + delta.layout_s)
     # The base's and a read after: what a CUDA rank with the fused checksum runs.
     assert delta.num_checksums == 2
     assert delta.replica_s == pytest.approx(2 * delta.checksum_s + delta.apply_s)
@@ -364,7 +407,9 @@ def test_faster_rates_give_faster_phases(full) -> None:
     config, prediction = full
     density = DeltaDensity.measured(0.02)
     rates = DeltaRates.h200()
-    doubled = DeltaRates(**{k: 2 * v for k, v in dataclasses.asdict(rates).items()})
+    # Twice the rates, and half the host's time per tensor (a time, not a rate).
+    given = dataclasses.asdict(rates)
+    doubled = DeltaRates(**{k: v / 2 if k == "host_tensor_s" else 2 * v for k, v in given.items()})
     slow = delta_prediction(prediction, config, density=density, rates=rates)
     fast = delta_prediction(prediction, config, density=density, rates=doubled)
     assert fast.encode_s == pytest.approx(slow.encode_s / 2)

@@ -415,6 +415,8 @@ def _delta_summary(delta: DeltaPrediction) -> dict[str, Any]:
         "num_full_transfers": delta.num_full_transfers,
         "encode_s": delta.encode_s,
         "find_s": delta.find_s,
+        "host_s": delta.host_s,
+        "num_tensors": delta.num_tensors,
         "layout_s": delta.layout_s,
         "wire_s": delta.wire_s,
         "wire_lower_bound_s": delta.wire_lower_bound_s,
@@ -588,6 +590,7 @@ def delta_table(delta: dict[str, Any]) -> Table:
         "encode",
         f"{delta['encode_s']:.3f} s",
         f"slowest trainer GPU: find changes {delta['find_s'] * 1e3:.1f} ms, "
+        f"host {delta['host_s'] * 1e3:.1f} ms ({delta['num_tensors']} tensors), "
         f"lay out {delta['layout_s'] * 1e3:.1f} ms",
     )
     table.add_row(

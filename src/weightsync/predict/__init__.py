@@ -21,6 +21,7 @@ from weightsync.predict.cluster import TrainerShape, simulated_holders
 from weightsync.predict.delta import (
     FP8_CODE_DENSITY_RATIO,
     H200_KERNELS,
+    HOST_TENSOR_S,
     MEASURED_ELEMENT_DENSITY,
     MEASURED_FP8_SCALE_DENSITY,
     DeltaDensity,
@@ -69,6 +70,7 @@ __all__ = [
     "DEFAULT_WINDOWS",
     "FP8_CODE_DENSITY_RATIO",
     "H200_KERNELS",
+    "HOST_TENSOR_S",
     "MEASURED_ELEMENT_DENSITY",
     "MEASURED_FP8_SCALE_DENSITY",
     "DeltaDensity",

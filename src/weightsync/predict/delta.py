@@ -25,7 +25,11 @@ element (each part 8-byte aligned). `delta_prediction` prices that on a full pre
    its checksums after from the elements it wrote (``check="changes"``: one checksum, the
    derivation not priced). Each step
    takes bytes over a rate plus changed elements over a rate (`DeltaRates`, fitted from
-   `bench/delta_kernels.py` on one H200 at two densities). The phases run one after
+   `bench/delta_kernels.py` on one H200 at two densities). A sender's host also spends a
+   fixed time on every tensor it encodes (`DeltaRates.host_tensor_s`, measured end to end:
+   taking it from the stream, its entry in a fused bucket, filing its changes under each
+   layout), which the kernels' rates do not hold and which a MoE's thousands of per-expert
+   tensors make count. The phases run one after
    another, as a delta sync runs them: the replicas' base checksums are read before the
    push, the payloads are written after every tensor is encoded, and the replicas apply
    after the push.
@@ -209,6 +213,14 @@ H200_KERNELS: Mapping[float, KernelTimes] = {
     0.05: KernelTimes(encode_s=27.2e-3, layout_s=31.7e-3, apply_s=10.8e-3, checksum_s=2.90e-3),
 }
 
+HOST_TENSOR_S = 98e-6
+"""Host seconds a delta push spends per tensor it encodes, beside the device work: measured
+end to end (`bench/delta.py --device cuda`, colocated, one H100 host, AdamW at lr 1e-6,
+steps 2 and 3) as the encode of the Qwen3-30B-A3B shape at 4 layers (1,575 tensors, 6.23 GB
+of bf16: 0.160-0.184 s) less that of dense-8b at 8 layers (91 tensors, 5.58 GB: 0.026-0.031
+s), over the 1,484 tensors between them. Their bytes differ by 12 %, about 1 ms of device
+work. On another H100 host an earlier version of the sender took 46 us a tensor."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeltaRates:
@@ -223,9 +235,12 @@ class DeltaRates:
         apply_gbps: GB/s of parameters a payload covers, applying it.
         apply_changes_per_s: changed elements written per second, beside that.
         checksum_gbps: GB/s of parameters read by a checksum.
+        host_tensor_s: host seconds per tensor a sender encodes, beside the device work
+            (`HOST_TENSOR_S`; 0 leaves it out).
 
     Raises:
-        ValueError: a rate that is not a positive, finite number.
+        ValueError: a rate that is not a positive, finite number (`host_tensor_s`: not a
+            finite number of at least 0).
     """
 
     encode_read_gbps: float
@@ -235,10 +250,18 @@ class DeltaRates:
     apply_gbps: float
     apply_changes_per_s: float
     checksum_gbps: float
+    host_tensor_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (f.name for f in fields(self)):
             value = getattr(self, name)
+            if name == "host_tensor_s":
+                if not isinstance(value, int | float) or not 0.0 <= value < math.inf:
+                    raise ValueError(
+                        f"DeltaRates.host_tensor_s must be a number of seconds of at least 0, "
+                        f"got {value!r}"
+                    )
+                continue
             if not isinstance(value, int | float) or not 0.0 < value < math.inf:
                 raise ValueError(f"DeltaRates.{name} must be a positive number, got {value!r}")
 
@@ -296,14 +319,20 @@ class DeltaRates:
 
     @classmethod
     def h200(cls) -> DeltaRates:
-        """Fitted from the H200 measurements (`H200_KERNELS`)."""
-        return cls.fit(num_bytes=H200_MEASURED_BYTES, element_size=2, measured=H200_KERNELS)
+        """Fitted from the H200 measurements (`H200_KERNELS`), with the host's time per
+        tensor measured end to end (`HOST_TENSOR_S`)."""
+        fitted = cls.fit(num_bytes=H200_MEASURED_BYTES, element_size=2, measured=H200_KERNELS)
+        return replace(fitted, host_tensor_s=HOST_TENSOR_S)
 
     def encode_s(self, tensor_bytes: int, changes: int) -> float:
         """Seconds to find `changes` in tensors of `tensor_bytes` (and their reference)."""
         return (
             2 * tensor_bytes / (self.encode_read_gbps * 1e9) + changes / self.encode_changes_per_s
         )
+
+    def host_s(self, tensors: int) -> float:
+        """Host seconds a sender spends on `tensors` it encodes, beside the device work."""
+        return tensors * self.host_tensor_s
 
     def layout_s(self, covered_bytes: int, changes: int) -> float:
         """Seconds to lay out `changes` of weights of `covered_bytes`."""
@@ -323,7 +352,7 @@ class DeltaPrediction:
     """What the model predicts for one delta sync, beside the full sync it replaces.
 
     The phases run one after another: ``total_s = encode_s + wire_s + replica_s``, with
-    ``encode_s = find_s + layout_s`` (the slowest trainer GPU) and ``replica_s =
+    ``encode_s = find_s + host_s + layout_s`` (the slowest trainer GPU) and ``replica_s =
     num_checksums * checksum_s + apply_s`` (the slowest rollout GPU).
 
     Attributes:
@@ -338,6 +367,9 @@ class DeltaPrediction:
             full bytes, written full.
         find_s: the slowest trainer GPU's reading of its tensors and references.
         layout_s: the same GPU's laying out of its payloads.
+        host_s: its host's time per tensor over the tensors it encodes
+            (`DeltaRates.host_tensor_s`).
+        num_tensors: the tensors that GPU encodes.
         wire_s: the simulated network phase.
         wire_lower_bound_s: what no execution of the delta schedule beats.
         checksum_s: one checksum of the slowest rollout GPU's parameters.
@@ -361,11 +393,14 @@ class DeltaPrediction:
     checksum_s: float
     apply_s: float
     num_checksums: int = 1
+    host_s: float = 0.0
+    num_tensors: int = 0
 
     @property
     def encode_s(self) -> float:
-        """The sender's phase: finding the changes and laying them out."""
-        return self.find_s + self.layout_s
+        """The sender's phase: finding the changes, its host's time per tensor, and laying
+        the changes out."""
+        return self.find_s + self.host_s + self.layout_s
 
     @property
     def replica_s(self) -> float:
@@ -437,30 +472,34 @@ def _unit_delta(unit: TrafficUnit, density: DeltaDensity) -> _UnitDelta:
 
 @dataclass(slots=True)
 class _Work:
-    """A GPU's device work: bytes covered and changed elements."""
+    """A GPU's device work: bytes covered, changed elements, and the tensors of the
+    sender's stream they come in."""
 
     num_bytes: int = 0
     changes: int = 0
+    tensors: int = 0
     seen: set[Any] = field(default_factory=set)
 
-    def add(self, key: Any, num_bytes: int, changes: int) -> None:
+    def add(self, key: Any, num_bytes: int, changes: int, tensors: int = 1) -> None:
         if key not in self.seen:
             self.seen.add(key)
             self.num_bytes += num_bytes
             self.changes += changes
+            self.tensors += tensors
 
 
 def _tensor_work(
     hf_config: Any, units: Sequence[TrafficUnit], density: DeltaDensity
-) -> dict[str, tuple[int, int]]:
-    """``{hf_name: (bytes in the rollout's form, expected changed elements)}`` of every
-    tensor the units read: what a sender reads (with its reference) to encode it.
+) -> dict[str, tuple[int, int, int]]:
+    """``{hf_name: (bytes in the rollout's form, expected changed elements, stream
+    tensors)}`` of every tensor the units read: what a sender reads (with its reference) to
+    encode it, in the tensors its stream yields (two for an FP8 weight: codes and scales).
 
     Raises:
         ValueError: a unit of a tensor the config's checkpoint does not have.
     """
     shapes = hf_tensor_shapes(hf_config)
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, tuple[int, int, int]] = {}
     for unit in units:
         name = unit.key[0]
         if name in out or not unit.element_runs:
@@ -479,10 +518,11 @@ def _tensor_work(
             out[name] = (
                 numel + scales * FP8_SCALE_BYTES,
                 round(numel * density.fp8_codes + scales * density.fp8_scales),
+                2,
             )
             continue
         (kind, run), *_ = kinds.items()
-        out[name] = (numel * run.element_size, round(numel * density.of(kind)))
+        out[name] = (numel * run.element_size, round(numel * density.of(kind)), 1)
     return out
 
 
@@ -532,7 +572,7 @@ def delta_prediction(
             finder, layout = senders[rank]
             # Every tensor is read to find what changed, whatever is found.
             for key in transfer.units:
-                finder.add(key[0], *tensors.get(key[0], (0, 0)))
+                finder.add(key[0], *tensors.get(key[0], (0, 0, 1)))
             if num_bytes >= full_bytes and sections:
                 num_full += 1
                 num_bytes = full_bytes
@@ -544,12 +584,14 @@ def delta_prediction(
             delta_queue.append(replace(transfer, num_bytes=num_bytes))
         queues[rank] = tuple(delta_queue)
     schedule = Schedule(name="delta", num_targets=full.schedule.num_targets, queues=queues)
-    find_s = layout_s = 0.0
+    find_s = host_s = layout_s = 0.0
+    num_tensors = 0
     for finder, layout in senders.values():
         find = rates.encode_s(finder.num_bytes, finder.changes)
+        host = rates.host_s(finder.tensors)
         lay = rates.layout_s(layout.num_bytes, layout.changes)
-        if find + lay > find_s + layout_s:
-            find_s, layout_s = find, lay
+        if find + host + lay > find_s + host_s + layout_s:
+            find_s, host_s, layout_s, num_tensors = find, host, lay, finder.tensors
     target_bytes = {
         target: group.num_bytes for group in full.groups for target in group.target_indices
     }
@@ -574,6 +616,8 @@ def delta_prediction(
         num_full_transfers=num_full,
         find_s=find_s,
         layout_s=layout_s,
+        host_s=host_s,
+        num_tensors=num_tensors,
         wire_s=result.makespan_s,
         wire_lower_bound_s=lower_bound_s(schedule, network),
         checksum_s=checksum_s,
