@@ -253,17 +253,15 @@ class DeltaRates:
     host_tensor_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in (f.name for f in fields(self)):
+        for name in (f.name for f in fields(self) if f.name != "host_tensor_s"):
             value = getattr(self, name)
-            if name == "host_tensor_s":
-                if not isinstance(value, int | float) or not 0.0 <= value < math.inf:
-                    raise ValueError(
-                        f"DeltaRates.host_tensor_s must be a number of seconds of at least 0, "
-                        f"got {value!r}"
-                    )
-                continue
             if not isinstance(value, int | float) or not 0.0 < value < math.inf:
                 raise ValueError(f"DeltaRates.{name} must be a positive number, got {value!r}")
+        host = self.host_tensor_s
+        if not isinstance(host, int | float) or not 0.0 <= host < math.inf:
+            raise ValueError(
+                f"DeltaRates.host_tensor_s must be a number of seconds of at least 0, got {host!r}"
+            )
 
     @classmethod
     def fit(
@@ -367,9 +365,7 @@ class DeltaPrediction:
             full bytes, written full.
         find_s: the slowest trainer GPU's reading of its tensors and references.
         layout_s: the same GPU's laying out of its payloads.
-        host_s: its host's time per tensor over the tensors it encodes
-            (`DeltaRates.host_tensor_s`).
-        num_tensors: the tensors that GPU encodes.
+        num_tensors: the tensors that GPU encodes (its host's time is `host_s`).
         wire_s: the simulated network phase.
         wire_lower_bound_s: what no execution of the delta schedule beats.
         checksum_s: one checksum of the slowest rollout GPU's parameters.
@@ -393,8 +389,13 @@ class DeltaPrediction:
     checksum_s: float
     apply_s: float
     num_checksums: int = 1
-    host_s: float = 0.0
     num_tensors: int = 0
+
+    @property
+    def host_s(self) -> float:
+        """The slowest trainer GPU's host time per tensor, over the tensors it encodes
+        (`DeltaRates.host_tensor_s`)."""
+        return self.rates.host_s(self.num_tensors)
 
     @property
     def encode_s(self) -> float:
@@ -584,14 +585,14 @@ def delta_prediction(
             delta_queue.append(replace(transfer, num_bytes=num_bytes))
         queues[rank] = tuple(delta_queue)
     schedule = Schedule(name="delta", num_targets=full.schedule.num_targets, queues=queues)
-    find_s = host_s = layout_s = 0.0
+    find_s = layout_s = 0.0
     num_tensors = 0
     for finder, layout in senders.values():
         find = rates.encode_s(finder.num_bytes, finder.changes)
-        host = rates.host_s(finder.tensors)
         lay = rates.layout_s(layout.num_bytes, layout.changes)
-        if find + host + lay > find_s + host_s + layout_s:
-            find_s, host_s, layout_s, num_tensors = find, host, lay, finder.tensors
+        host, slowest = rates.host_s(finder.tensors), rates.host_s(num_tensors)
+        if find + host + lay > find_s + slowest + layout_s:
+            find_s, layout_s, num_tensors = find, lay, finder.tensors
     target_bytes = {
         target: group.num_bytes for group in full.groups for target in group.target_indices
     }
@@ -616,7 +617,6 @@ def delta_prediction(
         num_full_transfers=num_full,
         find_s=find_s,
         layout_s=layout_s,
-        host_s=host_s,
         num_tensors=num_tensors,
         wire_s=result.makespan_s,
         wire_lower_bound_s=lower_bound_s(schedule, network),
