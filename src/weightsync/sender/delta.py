@@ -227,11 +227,13 @@ class _Runs:
             (f.src_start, f.src_step or 1, f.dst_start, f.dst_step, f.count, f.length)
             for f in target.families
         )
-        # Each family's first and end source element, as the host's search takes them.
-        self._host_bounds = tuple(
-            np.array([src, src + (count - 1) * step + length], dtype=np.int64)
+        # Each family's first and end source element: what a search for its elements looks
+        # for (the host's search takes them as an array).
+        self._spans = tuple(
+            (src, src + (count - 1) * step + length)
             for src, step, _, _, count, length in self.families
         )
+        self._host_spans = tuple(np.array(span, dtype=np.int64) for span in self._spans)
 
     def whole(self, numel: int) -> bool:
         """Whether these runs are one run over a whole tensor of `numel` (no split, as at
@@ -246,11 +248,7 @@ class _Runs:
         first and end (none where the runs are `whole`)."""
         if self.whole(numel):
             return []
-        return [
-            bound
-            for src, step, _, _, count, length in self.families
-            for bound in (src, src + (count - 1) * step + length)
-        ]
+        return [bound for span in self._spans for bound in span]
 
     def map(
         self, elements: torch.Tensor, numel: int, found: Iterator[int] | None = None
@@ -271,12 +269,13 @@ class _Runs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`map` with torch ops on the elements' device."""
         positions, destinations = [], []
-        for src, step, dst, dst_step, count, length in self.families:
+        for (src, step, dst, dst_step, count, length), span in zip(
+            self.families, self._spans, strict=True
+        ):
             if found is not None:
                 first, last = next(found), next(found)
             else:
-                end = src + (count - 1) * step + length
-                bounds = torch.tensor([src, end], device=elements.device)
+                bounds = torch.tensor(span, device=elements.device)
                 first, last = torch.searchsorted(elements, bounds).tolist()
             offset = elements[first:last] - src
             if count == 1:
@@ -295,10 +294,10 @@ class _Runs:
         found = elements.numpy()
         positions: list[np.ndarray | slice] = []
         destinations = []
-        for (src, step, dst, dst_step, count, length), bounds in zip(
-            self.families, self._host_bounds, strict=True
+        for (src, step, dst, dst_step, count, length), span in zip(
+            self.families, self._host_spans, strict=True
         ):
-            first, last = found.searchsorted(bounds).tolist()
+            first, last = found.searchsorted(span).tolist()
             offset = found[first:last] - src
             if count == 1:
                 positions.append(slice(first, last))
