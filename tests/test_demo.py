@@ -237,3 +237,29 @@ def _processes_using(workdir) -> list[str]:
         if needle in cmdline:
             found.append(cmdline)
     return found
+
+
+def test_demo_stops_waiting_for_ranks_blocked_on_one_that_failed(monkeypatch):
+    """One trainer rank fails; the others, waiting in a collective for it, never exit: the
+    demo reports the failure after its grace instead of hanging (it then ends them)."""
+    import queue
+    import time
+
+    from rich.console import Console
+
+    from weightsync.cli import demo_cmd
+
+    class Blocked:
+        def is_alive(self) -> bool:
+            return True
+
+    events: queue.Queue = queue.Queue()
+    events.put({"kind": "error", "rank": 0, "message": "boom", "trace": "Traceback: boom"})
+    events.put({"kind": "exit", "rank": 0})
+    monkeypatch.setattr(demo_cmd, "PEERS_GRACE_S", 1.0)
+    start = time.monotonic()
+    failure = demo_cmd._collect(
+        events, [Blocked(), Blocked()], {}, None, None, Console(quiet=True), True
+    )
+    assert failure == "trainer rank 0: boom"
+    assert time.monotonic() - start < 10

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -13,6 +14,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -286,6 +288,10 @@ def _trainer_rank(demo_pid: int, rank: int, args: TrainerArgs, events: Any) -> N
     run_trainer_rank(rank, args, events)
 
 
+PEERS_GRACE_S = 20.0
+"""How long the demo waits for the other trainer ranks to end once one failed."""
+
+
 def _collect(
     events: Any,
     trainers: list[multiprocessing.Process],
@@ -295,10 +301,15 @@ def _collect(
     console: Console,
     as_json: bool,
 ) -> str | None:
-    """Consume trainer events until every rank exited; return a failure message or None."""
+    """Consume trainer events until every rank exited, or `PEERS_GRACE_S` after one failed
+    (the others may wait in a collective for it for good; the caller ends them); return a
+    failure message or None."""
     exited: set[int] = set()
     failure: str | None = None
+    deadline = math.inf
     while len(exited) < len(trainers):
+        if time.monotonic() > deadline:
+            break
         try:
             event = events.get(timeout=1.0)
         except queue.Empty:
@@ -321,6 +332,7 @@ def _collect(
             progress.update(task, advance=1, description=f"synced version {report['version']}")
         elif event["kind"] == "error":
             failure = failure or f"trainer rank {event['rank']}: {event['message']}"
+            deadline = min(deadline, time.monotonic() + PEERS_GRACE_S)
             console.print(f"trainer rank {event['rank']} failed:\n{event['trace']}", markup=False)
         elif event["kind"] == "exit":
             exited.add(event["rank"])
