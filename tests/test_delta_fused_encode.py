@@ -207,6 +207,26 @@ def test_delta_pushes_through_buckets_are_bit_exact(monkeypatch, bucket_bytes) -
     assert calls and (max(calls) == 1 if bucket_bytes == 1 else max(calls) > 1)
 
 
+def test_moe_delta_pushes_through_one_bucket_are_bit_exact(monkeypatch) -> None:
+    """A MoE's per-expert tensors, taken whole by fused experts parameters, are filed as
+    spans of the bucket's outputs and gathered per parameter at once; every sync stays
+    bit-exact, into expert- and tensor-parallel layouts beside."""
+    from test_delta_sender import MOE, _sync_rounds
+    from weightsync.sender import delta
+
+    _bucket_pushes(monkeypatch)
+    gathered = []
+    gather = delta._gathered
+
+    def counted(spans):
+        gathered.append(len(spans))
+        return gather(spans)
+
+    monkeypatch.setattr(delta, "_gathered", counted)
+    _sync_rounds(MOE, [(1, 1), (2, 2)], rounds=2)
+    assert gathered and max(gathered) > 1
+
+
 def test_a_tensor_the_bucket_cannot_take_is_encoded_alone(monkeypatch) -> None:
     """Where the bucket refuses some tensors, they are encoded alone, in the stream's order,
     and the pushes stay bit-exact."""

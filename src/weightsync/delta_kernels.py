@@ -220,6 +220,27 @@ Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(elements, new bits, old bits)`` of one tensor's changes (see `find_changes`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class BucketChanges:
+    """The changes `find_changes_bucket_spans` found in a bucket, in shared outputs.
+
+    Attributes:
+        outputs: ``(elements, new bits, old bits)`` of each kind of tensor of the bucket
+            (and one of each empty tensor), on the bucket's device.
+        spans: per tensor of the bucket, in order, ``(output, begin, end)``: its changes are
+            places ``begin .. end`` of ``outputs[output]``, ascending.
+    """
+
+    outputs: tuple[Found, ...]
+    spans: tuple[tuple[int, int, int], ...]
+
+    def found(self, index: int) -> Found:
+        """The changes of the bucket's tensor `index`, as views of the outputs."""
+        output, begin, end = self.spans[index]
+        elements, new, old = self.outputs[output]
+        return elements[begin:end], new[begin:end], old[begin:end]
+
+
 def find_changes_bucket(
     news: Sequence[torch.Tensor], refs: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]
 ) -> list[Found]:
@@ -227,7 +248,9 @@ def find_changes_bucket(
     (two launches per kind of tensor, one host sync; see the module): equal, bit for bit,
     to `find_changes` of each in turn, and each `ref` then holds its new bits.
 
-    The results of a bucket are views of shared outputs (one per kind of tensor).
+    The results of a bucket are views of shared outputs (one per kind of tensor);
+    `find_changes_bucket_spans` gives the outputs and where each tensor's changes lie in
+    them, without a view per tensor.
 
     Args:
         news: the tensors, each flat and contiguous, in its `dtypes` entry or in a float
@@ -235,6 +258,22 @@ def find_changes_bucket(
         refs: their reference bits (`weightsync.delta_codec.bits_dtype` of each dtype's
             size), on one device, each as long as its tensor.
         dtypes: each tensor's rollout dtype.
+
+    Raises:
+        RuntimeError: Triton is not available (check `ready` first).
+        ValueError: a cast the kernel does not make, or a tensor that does not match its
+            reference (length, device).
+    """
+    found = find_changes_bucket_spans(news, refs, dtypes)
+    return [found.found(i) for i in range(len(news))]
+
+
+def find_changes_bucket_spans(
+    news: Sequence[torch.Tensor], refs: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]
+) -> BucketChanges:
+    """`find_changes_bucket`, its results left in the bucket's shared outputs: what a
+    caller that maps many tensors' changes at once (`weightsync.sender.delta`) takes, where
+    a view of each tensor's would cost more host time than its pass.
 
     Raises:
         RuntimeError: Triton is not available (check `ready` first).
@@ -250,9 +289,10 @@ def find_changes_bucket(
             f"{len(dtypes)} dtypes"
         )
     if not news:
-        return []
+        return BucketChanges(outputs=(), spans=())
     device = refs[0].device
-    results: list[Found | None] = [None] * len(news)
+    outputs: list[Found] = []
+    spans: list[tuple[int, int, int] | None] = [None] * len(news)
     members: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (new, ref, dtype) in enumerate(zip(news, refs, dtypes, strict=True)):
         if not finds_changes(new.dtype, dtype):
@@ -267,7 +307,8 @@ def find_changes_bucket(
         if new.numel():
             members.setdefault((new.dtype, dtype), []).append(i)
         else:
-            results[i] = (torch.zeros(0, dtype=torch.int64, device=device), ref[:0], ref[:0])
+            spans[i] = (len(outputs), 0, 0)
+            outputs.append((torch.zeros(0, dtype=torch.int64, device=device), ref[:0], ref[:0]))
     kinds = []
     table: list[int] = []
     first_tile = 0
@@ -277,7 +318,7 @@ def find_changes_bucket(
         kinds.append(kind)
         first_tile = kind.tile0 + kind.num_tiles
     if not kinds:
-        return results  # type: ignore[return-value]
+        return BucketChanges(outputs=tuple(outputs), spans=tuple(spans))  # type: ignore[arg-type]
     # Each tensor's last tile, in the kinds' order: where its place ends.
     last_tiles = [tile - 1 for kind in kinds for tile in kind.table[-len(kind.indices) :]]
     last_at = len(table)
@@ -306,15 +347,12 @@ def find_changes_bucket(
             kernels[5] if mode != "select" else kernels[6],
             tables, counts, starts, bitmap, prefix, mode, begin, ends_of_kind[-1],
         )  # fmt: skip
-        base = begin
+        output, base = len(outputs), begin
+        outputs.append((kind.elements, new_out, old_out))  # type: ignore[arg-type]
         for i, end in zip(kind.indices, ends_of_kind, strict=True):
-            results[i] = (
-                kind.elements[begin - base : end - base],
-                new_out[begin - base : end - base],
-                old_out[begin - base : end - base],
-            )
+            spans[i] = (output, begin - base, end - base)
             begin = end
-    return results  # type: ignore[return-value]
+    return BucketChanges(outputs=tuple(outputs), spans=tuple(spans))  # type: ignore[arg-type]
 
 
 def _bucket_tile() -> int:

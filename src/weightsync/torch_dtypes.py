@@ -7,6 +7,9 @@ import torch
 
 from weightsync.layout.dtypes import canonical_dtype_name
 
+_BY_NAME: dict[str, torch.dtype] = {}
+"""Names `torch_dtype` resolved (a delta push asks for a name per tensor)."""
+
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype for a dtype name, alias or torch dtype (``"bf16"`` -> ``torch.bfloat16``).
@@ -17,7 +20,10 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         canonical_dtype_name(dtype)
         return dtype
-    return getattr(torch, canonical_dtype_name(dtype))
+    found = _BY_NAME.get(dtype)
+    if found is None:
+        found = _BY_NAME[dtype] = getattr(torch, canonical_dtype_name(dtype))
+    return found
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

@@ -27,7 +27,10 @@ On CUDA, where the fused kernels run (`weightsync.delta_kernels.ready`), tensors
 the bucket does not take (a smaller one, a cast the kernel does not make, another device, a
 reference in host memory) is encoded alone, after
 the bucket before it, so that the changes reach the layouts in the stream's order either
-way.
+way. A bucket's changes stay in its shared outputs: a tensor that every layout takes whole
+(a tp-1 layout, an expert whole on its rank) is filed as its span of them, and each
+parameter gathers its spans of one bucket in a few launches when its payload is laid out,
+so that a MoE's thousands of expert tensors cost no device op each.
 """
 
 from __future__ import annotations
@@ -98,12 +101,36 @@ def fuses_bucket(
     return _fused(ref.device) and delta_kernels.finds_changes(tensor.dtype, dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedBucket:
+    """What `encode_bucket` found: each tensor's changes, left in the bucket's shared
+    outputs until asked for (a view of each costs host time a MoE's thousands of small
+    tensors add up).
+
+    Attributes:
+        found: the outputs, and where each tensor's changes lie in them.
+        numels: each tensor's elements.
+    """
+
+    found: delta_kernels.BucketChanges
+    numels: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.numels)
+
+    def changes(self, index: int) -> Changes:
+        """The changes of tensor `index` of the bucket (views of the outputs)."""
+        elements, new, old = self.found.found(index)
+        return Changes(elements=elements, old=old, new=new, numel=self.numels[index])
+
+
 def encode_bucket(
     reference: DeltaReference, entries: Sequence[tuple[str, str, torch.Tensor]]
-) -> list[Changes]:
+) -> EncodedBucket:
     """`DeltaReference.encode` of each ``(dtype_name, hf_name, tensor)`` of `entries`, in
-    one fused pass (`weightsync.delta_kernels.find_changes_bucket`): the same changes, bit
-    for bit, and each reference then holds its tensor's bytes.
+    one fused pass (`weightsync.delta_kernels.find_changes_bucket_spans`): the same changes,
+    bit for bit (``changes(i)`` of the result), and each reference then holds its tensor's
+    bytes.
 
     Raises:
         ValueError: an entry `fuses_bucket` refuses, or one named twice (its reference
@@ -121,11 +148,8 @@ def encode_bucket(
         news.append(tensor.reshape(-1).contiguous())
         refs.append(reference.bits(dtype_name, hf_name))
         dtypes.append(torch_dtype(dtype_name))
-    found = delta_kernels.find_changes_bucket(news, refs, dtypes)
-    return [
-        Changes(elements=elements, old=old, new=new, numel=ref.numel())
-        for (elements, new, old), ref in zip(found, refs, strict=True)
-    ]
+    found = delta_kernels.find_changes_bucket_spans(news, refs, dtypes)
+    return EncodedBucket(found=found, numels=tuple(ref.numel() for ref in refs))
 
 
 def wrap_int64(value: int) -> int:
@@ -234,14 +258,24 @@ class _Runs:
             for src, step, _, _, count, length in self.families
         )
         self._host_spans = tuple(np.array(span, dtype=np.int64) for span in self._spans)
+        # One run from the tensor's first element: where it lands, and its length.
+        self._one: tuple[int, int] | None = None
+        if len(self.families) == 1:
+            src, _, dst, _, count, length = self.families[0]
+            if count == 1 and src == 0:
+                self._one = (dst, length)
 
     def whole(self, numel: int) -> bool:
         """Whether these runs are one run over a whole tensor of `numel` (no split, as at
-        tp 1): mapping is then a shift, with no search."""
-        if len(self.families) != 1:
-            return False
-        src, _, _, _, count, length = self.families[0]
-        return count == 1 and src == 0 and length >= numel
+        tp 1, or an expert whole on its rank): mapping is then a shift, with no search."""
+        return self._one is not None and self._one[1] >= numel
+
+    @property
+    def shift(self) -> int:
+        """What a `whole` map adds to an element: where the tensor's first one lands."""
+        if self._one is None:
+            raise ValueError("these runs split the tensor: map its elements with map()")
+        return self._one[0]
 
     def bounds(self, numel: int) -> list[int]:
         """The source elements `map` searches for in a tensor of `numel`: each family's
@@ -259,7 +293,7 @@ class _Runs:
         several runs at once); without it each family is searched here."""
         if self.whole(numel):
             # A GPU's search would wait for the device.
-            return slice(None), elements + self.families[0][2]
+            return slice(None), elements + self.shift
         if elements.device.type == "cpu":
             return self._map_host(elements)
         return self._map_device(elements, found)
@@ -331,13 +365,108 @@ def _joined(
     return _joined_pieces(positions), _joined_pieces(destinations)
 
 
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """One tensor's changes in a fused bucket (`EncodedBucket`), not yet cut out of it."""
+
+    bucket: EncodedBucket
+    index: int
+
+    @property
+    def where(self) -> tuple[delta_kernels.Found, int, int]:
+        """``(output, begin, end)``: its changes are places ``begin .. end`` of the
+        bucket's ``output``."""
+        at, begin, end = self.bucket.found.spans[self.index]
+        return self.bucket.found.outputs[at], begin, end
+
+    @property
+    def count(self) -> int:
+        """Elements that changed."""
+        _, begin, end = self.bucket.found.spans[self.index]
+        return end - begin
+
+    @property
+    def numel(self) -> int:
+        """The tensor's elements."""
+        return self.bucket.numels[self.index]
+
+    def changes(self) -> Changes:
+        """Its changes, as views of the bucket's outputs."""
+        return self.bucket.changes(self.index)
+
+
+@dataclass(frozen=True, slots=True)
+class _SpanPiece:
+    """Changes of one tensor a parameter takes whole, left in a fused bucket's outputs:
+    places ``begin .. end`` of ``output``, whose elements land ``shift`` further on."""
+
+    output: delta_kernels.Found
+    begin: int
+    end: int
+    shift: int
+
+
 @dataclass(slots=True)
 class _Pieces:
-    """Changed elements one layout's parameter collects over the stream."""
+    """Changed elements one layout's parameter collects over the stream, in order: each
+    part ``(destination elements, new bits, old bits)``, or a `_SpanPiece`."""
 
-    elements: list[torch.Tensor] = field(default_factory=list)
-    new: list[torch.Tensor] = field(default_factory=list)
-    old: list[torch.Tensor] = field(default_factory=list)
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | _SpanPiece] = field(
+        default_factory=list
+    )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the changes lie."""
+        first = self.parts[0]
+        return (first.output if isinstance(first, _SpanPiece) else first)[0].device
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(destination elements, new bits, old bits)`` of every part, in order; the
+        spans of one bucket's output in a row gathered at once (`_gathered`)."""
+        triples = []
+        parts, at = self.parts, 0
+        while at < len(parts):
+            part = parts[at]
+            if not isinstance(part, _SpanPiece):
+                triples.append(part)
+                at += 1
+                continue
+            end = at + 1
+            while (
+                end < len(parts)
+                and isinstance(parts[end], _SpanPiece)
+                and parts[end].output is part.output  # type: ignore[union-attr]
+            ):
+                end += 1
+            triples.append(_gathered(parts[at:end]))  # type: ignore[arg-type]
+            at = end
+        if len(triples) == 1:
+            return triples[0]
+        elements, new, old = zip(*triples, strict=True)
+        return torch.cat(elements), torch.cat(new), torch.cat(old)
+
+
+def _gathered(spans: Sequence[_SpanPiece]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The changes `spans` (of one output) hold, in order, as destination elements, new and
+    old bits: a few launches whatever the number of spans (a fused experts parameter takes
+    hundreds from a bucket), the spans' table built on the host and copied without a wait."""
+    elements, new, old = spans[0].output
+    if len(spans) == 1:
+        span = spans[0]
+        where = slice(span.begin, span.end)
+        return elements[where] + span.shift, new[where], old[where]
+    table = np.array([(s.begin, s.shift, s.end - s.begin) for s in spans], dtype=np.int64).T
+    lengths = table[2]
+    total = int(lengths.sum())
+    # A gathered place's source is its place plus its span's begin less the span's start.
+    table[0] -= np.cumsum(lengths) - lengths
+    host = torch.from_numpy(np.ascontiguousarray(table))
+    device = elements.device
+    on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    per_place = torch.repeat_interleave(on_device[:2], on_device[2], dim=1, output_size=total)
+    places = torch.arange(total, device=device) + per_place[0]
+    return elements[places] + per_place[1], new[places], old[places]
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +605,7 @@ class DeltaPush:
         # None until its bucket is encoded. The layouts take them in that order (`_file`),
         # so that a parameter written from several tensors gets ascending elements, while
         # a tensor encoded alone does not cut the bucket before it short.
-        pending: list[tuple[int, DeltaMap, str, Changes | None]] = []
+        pending: list[tuple[int, DeltaMap, str, Changes | _Span | None]] = []
         bucket: list[tuple[int, DeltaMap, str, torch.Tensor]] = []
         bucket_bytes = 0
         for hf_name, tensor in export:
@@ -543,7 +672,7 @@ class DeltaPush:
     def _encode_bucket(
         self,
         bucket: Sequence[tuple[int, DeltaMap, str, torch.Tensor]],
-        pending: list[tuple[int, DeltaMap, str, Changes | None]],
+        pending: list[tuple[int, DeltaMap, str, Changes | _Span | None]],
     ) -> int:
         """Encode `bucket`'s tensors in one fused pass and put their changes in their places
         in `pending` (the bucket's tensors are its entries still without changes, in
@@ -551,18 +680,19 @@ class DeltaPush:
         if not bucket:
             return 0
         entries = [(delta_map.dtype, hf_name, tensor) for _, delta_map, hf_name, tensor in bucket]
-        found = iter(encode_bucket(self.reference, entries))
-        changed = 0
+        encoded = encode_bucket(self.reference, entries)
+        changed, next_one = 0, 0
         for at, (index, delta_map, hf_name, changes) in enumerate(pending):
             if changes is None:
-                changes = next(found)
-                changed += changes.elements.numel()
-                pending[at] = (index, delta_map, hf_name, changes)
+                span = _Span(encoded, next_one)
+                next_one += 1
+                changed += span.count
+                pending[at] = (index, delta_map, hf_name, span)
         return changed
 
     def _file(
         self,
-        pending: list[tuple[int, DeltaMap, str, Changes | None]],
+        pending: list[tuple[int, DeltaMap, str, Changes | _Span | None]],
         infos: Mapping[tuple[int, int], TargetRank],
         pieces: dict[tuple[int, int, str], _Pieces],
     ) -> None:
@@ -581,18 +711,25 @@ class DeltaPush:
         index: int,
         delta_map: DeltaMap,
         hf_name: str,
-        changes: Changes,
+        changes: Changes | _Span,
         infos: Mapping[tuple[int, int], TargetRank],
         pieces: dict[tuple[int, int, str], _Pieces],
     ) -> None:
         """File `changes` of one tensor under each wanted layout's parameters (`infos`: a
-        rank of each, whose parameters the layout publishes).
+        rank of each, whose parameters the layout publishes). A bucket's tensor that every
+        layout takes whole is filed as its span of the bucket's outputs (no op on it here).
 
         Raises:
             ValueError: a layout's ranks do not publish a parameter the plan writes.
         """
-        if not changes.elements.numel():
+        if isinstance(changes, _Span):
+            if not changes.count:
+                return
+            numel = changes.numel
+        elif not changes.elements.numel():
             return
+        else:
+            numel = changes.numel
         chosen = []
         for target in delta_map.tensors[hf_name]:
             if (index, target.layout_id) not in infos:
@@ -601,6 +738,15 @@ class DeltaPush:
             if runs is None:
                 runs = self._runs[id(target)] = _Runs(target)
             chosen.append((target, runs))
+        if isinstance(changes, _Span):
+            if all(runs.whole(numel) for _, runs in chosen):
+                output, begin, end = changes.where
+                for target, runs in chosen:
+                    self._piece(index, target, infos, pieces).parts.append(
+                        _SpanPiece(output, begin, end, runs.shift)
+                    )
+                return
+            changes = changes.changes()
         found = None
         if changes.elements.device.type != "cpu" and len(chosen) > 1:
             # One search, and one wait for the device, for every target's runs (a fused
@@ -613,16 +759,30 @@ class DeltaPush:
             positions, elements = runs.map(changes.elements, changes.numel, found)
             if not elements.numel():
                 continue
+            self._piece(index, target, infos, pieces).parts.append(
+                (elements, _taken(changes.new, positions), _taken(changes.old, positions))
+            )
+
+    @staticmethod
+    def _piece(
+        index: int,
+        target: DeltaTarget,
+        infos: Mapping[tuple[int, int], TargetRank],
+        pieces: dict[tuple[int, int, str], _Pieces],
+    ) -> _Pieces:
+        """What `target`'s parameter collects, under its layout (`infos`).
+
+        Raises:
+            ValueError: the layout's ranks do not publish the parameter.
+        """
+        key = (index, target.layout_id, target.param_name)
+        piece = pieces.get(key)
+        if piece is None:
             rank = infos[(index, target.layout_id)]
             if target.param_name not in rank.weights_info:
                 raise ValueError(f"{rank.label} publishes no parameter {target.param_name!r}")
-            key = (index, target.layout_id, target.param_name)
-            piece = pieces.get(key)
-            if piece is None:
-                piece = pieces[key] = _Pieces()
-            piece.elements.append(elements)
-            piece.new.append(_taken(changes.new, positions))
-            piece.old.append(_taken(changes.old, positions))
+            piece = pieces[key] = _Pieces()
+        return piece
 
     def _write(
         self,
@@ -720,7 +880,7 @@ class DeltaPush:
         for (part, layout, param_name), piece in sorted(pieces.items()):
             if (part, layout) != (index, layout_id):
                 continue
-            elements, new, old = (_joined_pieces(p) for p in (piece.elements, piece.new, piece.old))
+            elements, new, old = piece.joined()
             sections.append(Section(param_index=order[param_name], elements=elements, values=new))
             numel = target.weights_info[param_name][1]
             moves.append(_Move(param_name, elements, old, new, numel))
@@ -731,7 +891,7 @@ class DeltaPush:
         where the transport reads that GPU's memory (no copy through the host), else the
         host."""
         for piece in pieces.values():
-            device = piece.elements[0].device
+            device = piece.device
             if device.type == "cuda" and self._transport.capabilities.reads("cuda", device.index):
                 return device
             break
@@ -777,7 +937,7 @@ def _taken(values: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tenso
 
 
 def _joined_pieces(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`pieces` as one tensor (most parameters take one piece: no copy of it)."""
+    """`pieces` as one tensor (one piece: no copy of it)."""
     return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces))
 
 
