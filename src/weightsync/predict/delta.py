@@ -213,13 +213,14 @@ H200_KERNELS: Mapping[float, KernelTimes] = {
     0.05: KernelTimes(encode_s=27.2e-3, layout_s=31.7e-3, apply_s=10.8e-3, checksum_s=2.90e-3),
 }
 
-HOST_TENSOR_S = 98e-6
+HOST_TENSOR_S = 52e-6
 """Host seconds a delta push spends per tensor it encodes, beside the device work: measured
 end to end (`bench/delta.py --device cuda`, colocated, one H100 host, AdamW at lr 1e-6,
 steps 2 and 3) as the encode of the Qwen3-30B-A3B shape at 4 layers (1,575 tensors, 6.23 GB
-of bf16: 0.160-0.184 s) less that of dense-8b at 8 layers (91 tensors, 5.58 GB: 0.026-0.031
+of bf16: 0.095-0.096 s) less that of dense-8b at 8 layers (91 tensors, 5.58 GB: 0.017-0.020
 s), over the 1,484 tensors between them. Their bytes differ by 12 %, about 1 ms of device
-work. On another H100 host an earlier version of the sender took 46 us a tensor."""
+work. Before a fused bucket's changes stayed in its shared outputs (a view and a shift of
+each tensor's), the same host took 100 us a tensor (0.156-0.187 s for the Qwen shape)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
