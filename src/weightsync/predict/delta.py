@@ -20,10 +20,11 @@ element (each part 8-byte aligned). `delta_prediction` prices that on a full pre
 3. **Devices.** Each trainer GPU reads every tensor it sends and its reference (both in the
    rollout's dtype) to find the changes, then lays out each layout's payload; each rollout
    GPU checksums its parameters (its base), applies its payloads and checksums every
-   parameter again (``check="full"``, the default: what a CUDA rank that runs the fused
-   checksum does for either check, a read being cheaper there than deriving), or derives
+   parameter again (``check="full"``, the default here: the dearer of the two), or derives
    its checksums after from the elements it wrote (``check="changes"``: one checksum, the
-   derivation not priced). Each step
+   derivation not priced; a CUDA rank running the fused scatter, as under the
+   `weightsync.manager.config.ControlConfig` default, derives in the scatter's pass, whose cost
+   with the derivation the fitted H200 rates do not hold yet). Each step
    takes bytes over a rate plus changed elements over a rate (`DeltaRates`, fitted from
    `bench/delta_kernels.py` on one H200 at two densities). A sender's host also spends a
    fixed time on every tensor it encodes (`DeltaRates.host_tensor_s`, measured end to end:
@@ -545,8 +546,8 @@ def delta_prediction(
         density: the fraction of elements one step changes, per kind.
         rates: the GPUs' delta rates; default `DeltaRates.h200`.
         check: how the replicas check after applying: ``"full"`` (two full checksums per
-            sync, what CUDA ranks with the fused checksum run) or ``"changes"`` (one, the
-            base's; deriving the checksums after is not priced).
+            sync) or ``"changes"`` (one, the base's; deriving the checksums after is not
+            priced: a CUDA rank derives them in the fused scatter's pass).
 
     Raises:
         ValueError: a config that does not match the units of `full`, or an unknown
