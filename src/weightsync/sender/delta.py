@@ -36,6 +36,7 @@ so that a MoE's thousands of expert tensors cost no device op each.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,9 +115,6 @@ class EncodedBucket:
 
     found: delta_kernels.BucketChanges
     numels: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.numels)
 
     def changes(self, index: int) -> Changes:
         """The changes of tensor `index` of the bucket (views of the outputs)."""
@@ -425,26 +423,22 @@ class _Pieces:
         """``(destination elements, new bits, old bits)`` of every part, in order; the
         spans of one bucket's output in a row gathered at once (`_gathered`)."""
         triples = []
-        parts, at = self.parts, 0
-        while at < len(parts):
-            part = parts[at]
-            if not isinstance(part, _SpanPiece):
-                triples.append(part)
-                at += 1
-                continue
-            end = at + 1
-            while (
-                end < len(parts)
-                and isinstance(parts[end], _SpanPiece)
-                and parts[end].output is part.output  # type: ignore[union-attr]
-            ):
-                end += 1
-            triples.append(_gathered(parts[at:end]))  # type: ignore[arg-type]
-            at = end
+        for _, run in itertools.groupby(self.parts, key=_source):
+            first, *rest = run
+            if isinstance(first, _SpanPiece):
+                triples.append(_gathered([first, *rest]))  # type: ignore[list-item]
+            else:
+                triples.append(first)
         if len(triples) == 1:
             return triples[0]
         elements, new, old = zip(*triples, strict=True)
         return torch.cat(elements), torch.cat(new), torch.cat(old)
+
+
+def _source(part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | _SpanPiece) -> int:
+    """What a part of `_Pieces` is gathered with: the parts that share it in a row (the
+    spans of one bucket's output; a tensors part is alone)."""
+    return id(part.output) if isinstance(part, _SpanPiece) else id(part)
 
 
 def _gathered(spans: Sequence[_SpanPiece]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -722,14 +716,9 @@ class DeltaPush:
         Raises:
             ValueError: a layout's ranks do not publish a parameter the plan writes.
         """
-        if isinstance(changes, _Span):
-            if not changes.count:
-                return
-            numel = changes.numel
-        elif not changes.elements.numel():
+        if not (changes.count if isinstance(changes, _Span) else changes.elements.numel()):
             return
-        else:
-            numel = changes.numel
+        numel = changes.numel
         chosen = []
         for target in delta_map.tensors[hf_name]:
             if (index, target.layout_id) not in infos:
