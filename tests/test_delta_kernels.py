@@ -350,3 +350,53 @@ def test_a_payload_laid_out_on_the_device_equals_the_hosts_byte_for_byte() -> No
             for s in case
         ]
         assert torch.equal(encode_payload(on_device, DEVICE).cpu(), encode_payload(case, "cpu"))
+
+
+def _compiled(kernels) -> int:
+    """Compiled variants of `kernels` (Triton `JITFunction`s) on every device."""
+    return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
+
+
+def _bucket(generator: torch.Generator, num_tensors: int, extra: int):
+    """`num_tensors` float32 tensors of varied lengths (`extra` more elements in each), cut
+    from one buffer at 64-element offsets, and their bf16 references, lightly changed."""
+    lengths = [5_000 + 977 * i + extra for i in range(num_tensors)]
+    starts = [sum(-(-n // 64) * 64 for n in lengths[:i]) for i in range(num_tensors)]
+    buffer = torch.randn(starts[-1] + lengths[-1] + 64, generator=generator).to(DEVICE)
+    news = [buffer[s : s + n] for s, n in zip(starts, lengths, strict=True)]
+    refs = [_changed(as_bits(t.to(torch.bfloat16)), 0.02, i) for i, t in enumerate(news)]
+    return news, refs, [torch.bfloat16] * num_tensors
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter compiles nothing")
+def test_later_syncs_compile_nothing_whatever_their_sizes_and_table_offsets() -> None:
+    """Sizes, counts and tables sliced at odd places change from sync to sync; none of that
+    makes Triton compile a kernel again, so a long run never stops for a compile once its
+    first syncs have run each kind of pass."""
+    generator = torch.Generator().manual_seed(11)
+    kernels = delta_kernels._kernels()
+
+    def one_sync(num_tensors: int, extra: int, density: float, seed: int) -> None:
+        # The bucket pass (one kind; 17, 18 and 32 tensors search in 5 steps alike), the
+        # pass over one large tensor, and a delta's scatter with its derived check.
+        news, refs, dtypes = _bucket(generator, num_tensors, extra)
+        found = delta_kernels.find_changes_bucket(news, refs, dtypes)
+        assert sum(f[0].numel() for f in found) > 0
+        big = torch.randn(3_000_000 + 7 * extra, generator=generator).to(DEVICE)
+        ref = _changed(as_bits(big.to(torch.bfloat16)), 0.02, seed)
+        delta_kernels.find_changes(big, ref, torch.bfloat16)
+        params = _on_device(_named(torch.Generator().manual_seed(seed)))
+        payloads, _, expected = _payloads(params, torch.Generator().manual_seed(seed), density)
+        payloads = [p.to(DEVICE) for p in payloads]
+        checked = apply_and_check(payloads, params, expected, base=checksums(params))
+        assert checked.check == "changes" and not checked.mismatched
+
+    one_sync(17, 0, 0.01, seed=1)
+    first = _compiled(kernels)
+    for num_tensors, extra, density, seed in (
+        (18, 3, 0.02, 2),
+        (32, 1, 0.005, 3),
+        (17, 16, 0.03, 4),
+    ):
+        one_sync(num_tensors, extra, density, seed)
+    assert _compiled(kernels) == first

@@ -10,6 +10,18 @@ _SEED = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64
 _MUL1 = tl.constexpr(-4658895280553007687)  # 0xBF58476D1CE4E5B9
 _MUL2 = tl.constexpr(-7723592293110705685)  # 0x94D049BB133111EB
 
+# Triton compiles a kernel again for each new combination of its integer arguments' value
+# classes (1, a multiple of 16, other) and its pointers' 16-byte alignment. Sizes, counts
+# and the addresses of tables sliced out of a larger one change from sync to sync, so a
+# sync could stop for a compile (hundreds of milliseconds) long after the first: these
+# arguments are not specialised on. Each is read once per program, so nothing is lost; the
+# bulk data's pointers stay specialised, which keeps their loads vectorised.
+_SCATTER_TABLES = ["dest_ptr", "start_ptr", "count_ptr", "offsets_at_ptr", "values_at_ptr"]
+# The payload is read at byte offsets taken from the tables: its own alignment tells nothing.
+_SCATTER_TABLES += ["payload_ptr"]
+_BUCKET_SCALARS = ["num_tensors", "tile0"]
+_BUCKET_TABLES = ["new_off_ptr", "ref_off_ptr", "numel_ptr", "first_tile_ptr"]
+
 
 @triton.jit
 def mix(x):
@@ -20,7 +32,7 @@ def mix(x):
     return x ^ (x >> 31)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def changes_kernel(
     new_ptr,
     ref_ptr,
@@ -53,7 +65,7 @@ def changes_kernel(
     tl.store(counts_ptr + pid, tl.sum(flags, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])
 def gather_kernel(
     local_ptr,
     new_in_ptr,
@@ -113,7 +125,7 @@ def checksum_kernel(
     tl.store(out_ptr + tile, total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_SCATTER_TABLES)
 def scatter_kernel(
     dest_ptr,
     start_ptr,
@@ -140,7 +152,7 @@ def scatter_kernel(
         tl.store(dest + start + offset, value, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=[*_SCATTER_TABLES, "grid_ptr"])
 def scatter_change_kernel(
     dest_ptr,
     start_ptr,
@@ -200,7 +212,10 @@ def scatter_change_kernel(
     tl.store(strict_ptr + block, (tl.sum(repeats, axis=0) == 0).to(tl.int64))
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["total"],
+    do_not_specialize_on_alignment=["offsets_at_ptr", "count_ptr", "payload_ptr"],
+)
 def largest_offset_kernel(
     offsets_at_ptr, count_ptr, payload_ptr, out_ptr, total, LIMIT: tl.constexpr, CHUNK: tl.constexpr
 ):
@@ -287,7 +302,7 @@ def _count_step(
     return tl.sum(row_counts, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BUCKET_SCALARS, do_not_specialize_on_alignment=_BUCKET_TABLES)
 def bucket_count_kernel(
     new_ptr,
     ref_ptr,
@@ -400,7 +415,9 @@ def _write_step(
     return tl.sum(row_counts, axis=0)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[*_BUCKET_SCALARS, "base"], do_not_specialize_on_alignment=_BUCKET_TABLES
+)
 def bucket_write_kernel(
     new_ptr,
     ref_ptr,
@@ -471,7 +488,9 @@ def _popcount(x):
     return ((x * 0x01010101) >> 24) & 0xFF
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[*_BUCKET_SCALARS, "base"], do_not_specialize_on_alignment=_BUCKET_TABLES
+)
 def bucket_select_kernel(
     new_ptr,
     ref_ptr,
