@@ -24,7 +24,7 @@ from weightsync.export import ModelExport, TensorsExport
 from weightsync.layout import ParallelismConfig
 from weightsync.plan import SourceHolding, TargetRank, TensorMeta, build_plan
 from weightsync.receiver.loader import shard_state_dict
-from weightsync.sender.delta import DeltaPush, wrap_int64
+from weightsync.sender.delta import PAYLOAD_BUFFER_FRACTION, DeltaPush, wrap_int64
 from weightsync.sender.delta_reference import DeltaReference
 from weightsync.testing.presets import preset_config, random_model
 from weightsync.transport import HOST_ONLY, TransportCapabilities, WriteCost
@@ -289,6 +289,26 @@ def test_a_delta_without_a_reference_is_refused_before_any_write() -> None:
     with pytest.raises(ValueError, match="no complete delta reference"):
         pusher.push(plan, export, [ranks[0].target], token=2)
     assert transport.num_writes == 0 and pusher.reference.token is None
+
+
+def test_a_recording_push_sets_aside_the_host_buffer_the_first_delta_takes() -> None:
+    """The first push of a sync that keeps a reference registers a host payload buffer of
+    `PAYLOAD_BUFFER_FRACTION` of the reference, zeroed; the first delta that fits takes it
+    as it is (no new registration)."""
+    pusher, plan, (a, b), export, transport = _two_targets((1 << 22, 1 << 22), 0.01)
+    buffer = pusher._buffer
+    assert buffer is not None and buffer.device.type == "cpu"
+    assert buffer.numel() >= pusher.reference.num_bytes * PAYLOAD_BUFFER_FRACTION
+    assert transport.regions[buffer.data_ptr()] == buffer.numel()
+    assert not buffer.any()
+    stats = pusher.push(plan, export, [a.target, b.target], token=2)
+    assert set(stats.written) == {a.target.session_id, b.target.session_id}
+    assert pusher._buffer is buffer and buffer.data_ptr() in transport.regions
+    sent = sum(write.num_bytes for write in stats.written.values()) // 2
+    assert 0 < sent <= buffer.numel()
+    # A later push that only records keeps the buffer it has.
+    pusher.push(plan, export, [], token=3)
+    assert pusher._buffer is buffer
 
 
 def test_a_payload_larger_than_the_slot_fails_that_target_only() -> None:
