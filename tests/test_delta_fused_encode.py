@@ -178,9 +178,9 @@ def _bucket_pushes(monkeypatch) -> None:
 
     encode_bucket = delta.encode_bucket
 
-    def cast_first(reference, entries):
+    def cast_first(reference, entries, **kwargs):
         cast = [(dtype, name, t.to(torch_dtype(dtype))) for dtype, name, t in entries]
-        return encode_bucket(reference, cast)
+        return encode_bucket(reference, cast, **kwargs)
 
     monkeypatch.setattr(delta, "_fused", lambda device: True)
     monkeypatch.setattr(delta, "encode_bucket", cast_first)
@@ -197,9 +197,9 @@ def test_delta_pushes_through_buckets_are_bit_exact(monkeypatch, bucket_bytes) -
     calls = []
     encode_bucket = delta.encode_bucket
 
-    def counted(reference, entries):
+    def counted(reference, entries, **kwargs):
         calls.append(len(entries))
-        return encode_bucket(reference, entries)
+        return encode_bucket(reference, entries, **kwargs)
 
     monkeypatch.setattr(delta, "BUCKET_BYTES", bucket_bytes)
     monkeypatch.setattr(delta, "encode_bucket", counted)
@@ -238,14 +238,14 @@ def test_a_tensor_the_bucket_cannot_take_is_encoded_alone(monkeypatch) -> None:
     monkeypatch.setattr(
         delta,
         "fuses_bucket",
-        lambda ref, dtype, name, t: "mlp" not in name and fuses(ref, dtype, name, t),
+        lambda ref, dtype, name, t, **kw: "mlp" not in name and fuses(ref, dtype, name, t, **kw),
     )
     buckets, pushes = [], []
     encode_bucket, push = delta.encode_bucket, delta.DeltaPush.push
     monkeypatch.setattr(
         delta,
         "encode_bucket",
-        lambda ref, entries: buckets.append(entries) or encode_bucket(ref, entries),
+        lambda ref, entries, **kw: buckets.append(entries) or encode_bucket(ref, entries, **kw),
     )
     monkeypatch.setattr(
         delta.DeltaPush, "push", lambda self, *a, **k: pushes.append(1) or push(self, *a, **k)
@@ -268,7 +268,7 @@ def test_tensors_below_the_bucket_minimum_are_encoded_alone(monkeypatch) -> None
     monkeypatch.setattr(
         delta,
         "encode_bucket",
-        lambda ref, entries: calls.append(entries) or encode_bucket(ref, entries),
+        lambda ref, entries, **kw: calls.append(entries) or encode_bucket(ref, entries, **kw),
     )
     _sync_rounds(TINY, [(2, 1)], rounds=2)
     assert calls == []
@@ -283,3 +283,30 @@ def test_encode_bucket_refuses_a_tensor_named_twice() -> None:
     reference.record("bfloat16", "w", tensor)
     with pytest.raises(ValueError, match="names a tensor twice"):
         encode_bucket(reference, [("bfloat16", "w", tensor), ("bfloat16", "w", tensor)])
+
+
+def test_fuses_bucket_admits_only_what_the_kernels_take(monkeypatch) -> None:
+    """A tensor joins a bucket only with a reference of its length and dtype size on its own
+    device where the kernels run; a push's cache asks whether they run once per device, and
+    `encode_bucket` refuses what was not admitted unless told it was."""
+    from weightsync.sender import delta
+    from weightsync.sender.delta_reference import DeltaReference
+
+    asked = []
+    monkeypatch.setattr(delta, "_fused", lambda device: asked.append(device) or True)
+    reference = DeltaReference("device")
+    tensor = torch.zeros(64, dtype=torch.float32, device=DEVICE)
+    reference.record("bfloat16", "w", tensor.to(torch.bfloat16))
+    fused: dict[int, bool] = {}
+    assert delta.fuses_bucket(reference, "bfloat16", "w", tensor, fused=fused)
+    assert delta.fuses_bucket(reference, "bfloat16", "w", tensor * 2, fused=fused)
+    assert len(asked) == 1 and list(fused.values()) == [True]
+    assert not delta.fuses_bucket(reference, "bfloat16", "other", tensor)  # no reference
+    assert not delta.fuses_bucket(reference, "bfloat16", "w", tensor[:32])  # another length
+    assert not delta.fuses_bucket(reference, "float32", "w", tensor)  # another dtype's
+    if ON_GPU:  # on another device
+        assert not delta.fuses_bucket(reference, "bfloat16", "w", tensor.cpu())
+    monkeypatch.setattr(delta, "_fused", lambda device: False)
+    assert not delta.fuses_bucket(reference, "bfloat16", "w", tensor)
+    with pytest.raises(ValueError, match="cannot be encoded in a fused bucket"):
+        delta.encode_bucket(reference, [("bfloat16", "w", tensor)])

@@ -96,18 +96,39 @@ def _fused(device: torch.device) -> bool:
 
 
 def fuses_bucket(
-    reference: DeltaReference, dtype_name: str, hf_name: str, tensor: torch.Tensor
+    reference: DeltaReference,
+    dtype_name: str,
+    hf_name: str,
+    tensor: torch.Tensor,
+    *,
+    fused: dict[int, bool] | None = None,
 ) -> bool:
     """Whether `encode_bucket` takes `tensor` (``hf_name`` for a rollout of ``dtype_name``):
     its reference of the same length on the tensor's device, where the fused kernels run,
-    and a dtype the kernel reads or casts from."""
+    and a dtype the kernel reads or casts from.
+
+    Args:
+        reference: the references.
+        dtype_name: the rollout's dtype.
+        hf_name: the tensor's name.
+        tensor: the tensor as the export yields it.
+        fused: whether the kernels run, per device index, kept by a caller that asks for
+            many tensors (a push asks for each).
+    """
     ref = reference.bits(dtype_name, hf_name)
-    if ref is None or ref.device != tensor.device or ref.numel() != tensor.numel():
-        return False
     dtype = torch_dtype(dtype_name)
-    if ref.element_size() != dtype.itemsize:
+    if ref is None or ref.numel() != tensor.numel() or ref.element_size() != dtype.itemsize:
         return False
-    return _fused(ref.device) and delta_kernels.finds_changes(tensor.dtype, dtype)
+    # Device indices, not devices: building a torch.device per tensor costs more.
+    index = ref.get_device()
+    if tensor.get_device() != index or tensor.is_cuda != ref.is_cuda:
+        return False
+    if fused is None:
+        fused = {}
+    runs = fused.get(index)
+    if runs is None:
+        runs = fused[index] = _fused(ref.device)
+    return runs and delta_kernels.finds_changes(tensor.dtype, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +152,21 @@ class EncodedBucket:
 
 
 def encode_bucket(
-    reference: DeltaReference, entries: Sequence[tuple[str, str, torch.Tensor]]
+    reference: DeltaReference,
+    entries: Sequence[tuple[str, str, torch.Tensor]],
+    *,
+    admitted: bool = False,
 ) -> EncodedBucket:
     """`DeltaReference.encode` of each ``(dtype_name, hf_name, tensor)`` of `entries`, in
     one fused pass (`weightsync.delta_kernels.find_changes_bucket_spans`): the same changes,
     bit for bit (``changes(i)`` of the result), and each reference then holds its tensor's
     bytes.
+
+    Args:
+        reference: the references to compare with and update.
+        entries: the bucket's tensors.
+        admitted: every entry already passed `fuses_bucket` (a caller that asked for each
+            as it chose the bucket): they are not asked again.
 
     Raises:
         ValueError: an entry `fuses_bucket` refuses, or one named twice (its reference
@@ -146,7 +176,7 @@ def encode_bucket(
     if len({(dtype_name, hf_name) for dtype_name, hf_name, _ in entries}) != len(entries):
         raise ValueError("a fused bucket names a tensor twice; encode it in separate buckets")
     for dtype_name, hf_name, tensor in entries:
-        if not fuses_bucket(reference, dtype_name, hf_name, tensor):
+        if not admitted and not fuses_bucket(reference, dtype_name, hf_name, tensor):
             raise ValueError(
                 f"{hf_name!r} ({tensor.dtype} on {tensor.device}, for {dtype_name}) cannot be "
                 "encoded in a fused bucket; encode it alone (DeltaReference.encode)"
@@ -604,6 +634,7 @@ class DeltaPush:
         taken, versions = pins.stream(names)
         num_elements = num_changed = 0
         device = None
+        fused: dict[int, bool] = {}
         # Every tensor's changes, in the stream's order: a tensor the fused bucket takes has
         # None until its bucket is encoded. The layouts take them in that order (`_file`),
         # so that a parameter written from several tensors gets ascending elements, while
@@ -628,7 +659,7 @@ class DeltaPush:
                 )
                 continue
             if tensor.numel() * tensor.element_size() >= BUCKET_MIN_TENSOR_BYTES and fuses_bucket(
-                self.reference, delta_map.dtype, hf_name, tensor
+                self.reference, delta_map.dtype, hf_name, tensor, fused=fused
             ):
                 bucket.append((index, delta_map, hf_name, tensor))
                 pending.append((index, delta_map, hf_name, None))
@@ -687,7 +718,7 @@ class DeltaPush:
         if not bucket:
             return 0
         entries = [(delta_map.dtype, hf_name, tensor) for _, delta_map, hf_name, tensor in bucket]
-        encoded = encode_bucket(self.reference, entries)
+        encoded = encode_bucket(self.reference, entries, admitted=True)
         changed, next_one = 0, 0
         for at, (index, delta_map, hf_name, changes) in enumerate(pending):
             if changes is None:
