@@ -114,6 +114,35 @@ def test_many_tensors_find_their_tiles() -> None:
     _check(*_bucket([(torch.bfloat16, n, 0.05) for n in sizes], seed=5))
 
 
+@pytest.mark.parametrize("slots", [(0, 1), (0, 0)], ids=["two-slots", "one-slot"])
+def test_a_bucket_started_before_the_last_one_finished_keeps_its_own_changes(slots) -> None:
+    """Two buckets in flight: the second's first pass runs before the first's second pass
+    (in the interpreter, at once), in its own scratch slot; each finishes equal to torch.
+    In one slot the second's bitmap would overwrite the first's: refused there."""
+    first = _bucket([(torch.bfloat16, 3 * TILE + 7, 0.05), (torch.float32, 999, 0.3)], seed=21)
+    # Fewer tiles than the first: a shared slot's scratch is not reallocated, but reused.
+    second = _bucket([(torch.bfloat16, 2 * TILE + 1, 0.02), (torch.bfloat16, 77, 0.5)], seed=22)
+    expected = [
+        [_torch_encode(as_bits(n), r.clone()) for n, r in zip(news, refs, strict=True)]
+        for news, refs, _ in (first, second)
+    ]
+    started = [
+        delta_kernels.start_bucket(news, refs, dtypes, slot=slot)
+        for (news, refs, dtypes), slot in zip((first, second), slots, strict=True)
+    ]
+    found = [bucket.finish() for bucket in started]
+    matches = all(
+        torch.equal(a.cpu(), b.cpu())
+        for bucket, theirs in zip(found, expected, strict=True)
+        for index, torch_found in enumerate(theirs)
+        for a, b in zip(bucket.found(index), torch_found, strict=True)
+    )
+    # The interpreter runs each pass as it is queued, so sharing a slot is always caught.
+    assert matches == (slots == (0, 1))
+    with pytest.raises(ValueError, match="scratch slot is 0 or 1"):
+        delta_kernels.start_bucket(*first, slot=2)
+
+
 @pytest.mark.parametrize("mode", ["bitmap", "full"])
 @pytest.mark.parametrize("slots", [32, 256])
 def test_the_other_second_passes_equal_torch(monkeypatch, mode, slots) -> None:
@@ -176,14 +205,14 @@ def _bucket_pushes(monkeypatch) -> None:
         return
     from weightsync.torch_dtypes import torch_dtype
 
-    encode_bucket = delta.encode_bucket
+    start_encode_bucket = delta.start_encode_bucket
 
     def cast_first(reference, entries, **kwargs):
         cast = [(dtype, name, t.to(torch_dtype(dtype))) for dtype, name, t in entries]
-        return encode_bucket(reference, cast, **kwargs)
+        return start_encode_bucket(reference, cast, **kwargs)
 
     monkeypatch.setattr(delta, "_fused", lambda device: True)
-    monkeypatch.setattr(delta, "encode_bucket", cast_first)
+    monkeypatch.setattr(delta, "start_encode_bucket", cast_first)
 
 
 @pytest.mark.parametrize("bucket_bytes", [1, 1 << 30], ids=["a-tensor-a-bucket", "one-bucket"])
@@ -195,14 +224,14 @@ def test_delta_pushes_through_buckets_are_bit_exact(monkeypatch, bucket_bytes) -
 
     _bucket_pushes(monkeypatch)
     calls = []
-    encode_bucket = delta.encode_bucket
+    start_encode_bucket = delta.start_encode_bucket
 
     def counted(reference, entries, **kwargs):
         calls.append(len(entries))
-        return encode_bucket(reference, entries, **kwargs)
+        return start_encode_bucket(reference, entries, **kwargs)
 
     monkeypatch.setattr(delta, "BUCKET_BYTES", bucket_bytes)
-    monkeypatch.setattr(delta, "encode_bucket", counted)
+    monkeypatch.setattr(delta, "start_encode_bucket", counted)
     _sync_rounds(TINY, [(2, 1), (1, 1)], rounds=2)
     assert calls and (max(calls) == 1 if bucket_bytes == 1 else max(calls) > 1)
 
@@ -241,11 +270,11 @@ def test_a_tensor_the_bucket_cannot_take_is_encoded_alone(monkeypatch) -> None:
         lambda ref, dtype, name, t, **kw: "mlp" not in name and fuses(ref, dtype, name, t, **kw),
     )
     buckets, pushes = [], []
-    encode_bucket, push = delta.encode_bucket, delta.DeltaPush.push
+    start, push = delta.start_encode_bucket, delta.DeltaPush.push
     monkeypatch.setattr(
         delta,
-        "encode_bucket",
-        lambda ref, entries, **kw: buckets.append(entries) or encode_bucket(ref, entries, **kw),
+        "start_encode_bucket",
+        lambda ref, entries, **kw: buckets.append(entries) or start(ref, entries, **kw),
     )
     monkeypatch.setattr(
         delta.DeltaPush, "push", lambda self, *a, **k: pushes.append(1) or push(self, *a, **k)
@@ -264,11 +293,11 @@ def test_tensors_below_the_bucket_minimum_are_encoded_alone(monkeypatch) -> None
     _bucket_pushes(monkeypatch)
     monkeypatch.setattr(delta, "BUCKET_MIN_TENSOR_BYTES", 1 << 40)
     calls = []
-    encode_bucket = delta.encode_bucket
+    start = delta.start_encode_bucket
     monkeypatch.setattr(
         delta,
-        "encode_bucket",
-        lambda ref, entries, **kw: calls.append(entries) or encode_bucket(ref, entries, **kw),
+        "start_encode_bucket",
+        lambda ref, entries, **kw: calls.append(entries) or start(ref, entries, **kw),
     )
     _sync_rounds(TINY, [(2, 1)], rounds=2)
     assert calls == []

@@ -18,7 +18,9 @@
   each tile's new bytes and reference once (vectorised loads) and stores how many elements
   changed, which (one bit an element) and, per 32-bit word of those bits, how many changed
   in the tile before it. One prefix sum over the tiles' counts places every tile's changes
-  in the bucket's outputs; the host reads back only each tensor's total, to size them. The
+  in the bucket's outputs; the host reads back only each tensor's total, to size them
+  (`start_bucket` queues the first pass and that copy; `CountedBucket.finish` waits for the
+  copy alone, so a caller that starts the next bucket first keeps the device busy). The
   second pass works in the changes, not the elements: lane ``j`` of a tile's program takes
   the tile's ``j``-th change (a binary search over the word prefixes, a select in the
   word), reads that element's new and old bits, writes them in order, and updates the
@@ -47,7 +49,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -214,7 +216,7 @@ compared again (no bitmap)."""
 BUCKET_SLOTS = 256
 """Changes a program of the ``"select"`` second pass takes at a time."""
 
-_scratches: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_scratches: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
 Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(elements, new bits, old bits)`` of one tensor's changes (see `find_changes`)."""
@@ -280,6 +282,32 @@ def find_changes_bucket_spans(
         ValueError: a cast the kernel does not make, or a tensor that does not match its
             reference (length, device).
     """
+    return start_bucket(news, refs, dtypes).finish()
+
+
+def start_bucket(
+    news: Sequence[torch.Tensor],
+    refs: Sequence[torch.Tensor],
+    dtypes: Sequence[torch.dtype],
+    *,
+    slot: int = 0,
+) -> CountedBucket:
+    """The first pass of `find_changes_bucket_spans` over a bucket, queued on the device,
+    and the copy of what the second pass needs to size its outputs, without waiting for
+    either: `CountedBucket.finish` waits for that copy alone, then queues the second pass.
+    A caller that starts the next bucket before finishing this one keeps the device busy
+    while the host waits (the references are updated at `finish`).
+
+    Args:
+        news, refs, dtypes: as `find_changes_bucket`.
+        slot: the scratch the pass keeps its bitmap in until `finish` (0 or 1): a bucket
+            started before another one finished takes the other slot.
+
+    Raises:
+        RuntimeError: Triton is not available (check `ready` first).
+        ValueError: a cast the kernel does not make, a tensor that does not match its
+            reference (length, device), or a slot that is not 0 or 1.
+    """
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("find_changes_bucket needs Triton")
@@ -288,8 +316,10 @@ def find_changes_bucket_spans(
             f"find_changes_bucket: {len(news)} tensors, {len(refs)} references, "
             f"{len(dtypes)} dtypes"
         )
+    if slot not in (0, 1):
+        raise ValueError(f"a bucket's scratch slot is 0 or 1, not {slot!r}")
     if not news:
-        return BucketChanges(outputs=(), spans=())
+        return CountedBucket(kernels=kernels, outputs=[], spans=[])
     device = refs[0].device
     outputs: list[Found] = []
     spans: list[tuple[int, int, int] | None] = [None] * len(news)
@@ -318,12 +348,13 @@ def find_changes_bucket_spans(
         kinds.append(kind)
         first_tile = kind.tile0 + kind.num_tiles
     if not kinds:
-        return BucketChanges(outputs=tuple(outputs), spans=tuple(spans))  # type: ignore[arg-type]
+        return CountedBucket(kernels=kernels, outputs=outputs, spans=spans)
     # Each tensor's last tile, in the kinds' order: where its place ends.
     last_tiles = [tile - 1 for kind in kinds for tile in kind.table[-len(kind.indices) :]]
     last_at = len(table)
     host = torch.tensor(table + last_tiles, dtype=torch.int64)
-    tables = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    on_gpu = device.type == "cuda"
+    tables = host.pin_memory().to(device, non_blocking=True) if on_gpu else host
     counts = torch.empty(first_tile, dtype=torch.int32, device=device)
     mode = BUCKET_SECOND_PASS
     if mode not in ("select", "bitmap", "full"):
@@ -332,27 +363,92 @@ def find_changes_bucket_spans(
         # The select pass's per-word prefix is int16: a tile's changes must fit it.
         raise ValueError(f"a tile of {_bucket_tile()} elements is over 32,768 (BUCKET_ROWS, STEPS)")
     num_words = first_tile * _bucket_tile() // 32
-    bitmap = _scratch(device, num_words if mode != "full" else 1, torch.int32)
-    prefix = _scratch(device, num_words if mode == "select" else 1, torch.int16)
+    bitmap = _scratch(device, num_words if mode != "full" else 1, torch.int32, slot)
+    prefix = _scratch(device, num_words if mode == "select" else 1, torch.int16, slot)
     for kind in kinds:
         kind.count(kernels[4], tables, counts, bitmap, prefix, mode)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    starts = ends - counts
-    # The one host sync of a bucket: each tensor's last place, to size the outputs.
-    tensor_ends = iter(ends[tables[last_at:]].tolist())
-    begin = 0
-    for kind in kinds:
-        ends_of_kind = [next(tensor_ends) for _ in kind.indices]
-        new_out, old_out = kind.write(
-            kernels[5] if mode != "select" else kernels[6],
-            tables, counts, starts, bitmap, prefix, mode, begin, ends_of_kind[-1],
-        )  # fmt: skip
-        output, base = len(outputs), begin
-        outputs.append((kind.elements, new_out, old_out))  # type: ignore[arg-type]
-        for i, end in zip(kind.indices, ends_of_kind, strict=True):
-            spans[i] = (output, begin - base, end - base)
-            begin = end
-    return BucketChanges(outputs=tuple(outputs), spans=tuple(spans))  # type: ignore[arg-type]
+    # Each tensor's last place, to size the outputs: copied to the host behind the pass,
+    # waited for at `finish` alone.
+    tensor_ends = ends[tables[last_at:]]
+    ready_at = None
+    if on_gpu:
+        tensor_ends = tensor_ends.to("cpu", non_blocking=True)
+        ready_at = torch.cuda.Event()
+        ready_at.record()
+    return CountedBucket(
+        kernels=kernels,
+        outputs=outputs,
+        spans=spans,
+        news=tuple(news),
+        kinds=kinds,
+        tables=tables,
+        counts=counts,
+        ends=ends,
+        bitmap=bitmap,
+        prefix=prefix,
+        mode=mode,
+        tensor_ends=tensor_ends,
+        ready_at=ready_at,
+    )
+
+
+@dataclass(slots=True, kw_only=True)
+class CountedBucket:
+    """A bucket whose first pass is queued (`start_bucket`); `finish` gives its changes.
+
+    Attributes:
+        kernels: the kernels.
+        outputs, spans: the outputs and spans known so far (empty tensors'), completed by
+            `finish`.
+        news: the bucket's tensors, held until the second pass that reads them again is
+            queued (a tensor freed earlier could be overwritten first).
+        kinds: the bucket's kinds of tensor (none: nothing to compare).
+        tables, counts, ends, bitmap, prefix, mode: what the second pass reads.
+        tensor_ends: each tensor's last place, on the host once `ready_at` has passed.
+        ready_at: the event after which `tensor_ends` holds them (None: already does).
+    """
+
+    kernels: tuple
+    outputs: list[Found]
+    spans: list[tuple[int, int, int] | None]
+    news: tuple[torch.Tensor, ...] = ()
+    kinds: list[_BucketKind] = field(default_factory=list)
+    tables: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+    bitmap: torch.Tensor | None = None
+    prefix: torch.Tensor | None = None
+    mode: str = "select"
+    tensor_ends: torch.Tensor | None = None
+    ready_at: torch.cuda.Event | None = None
+
+    def finish(self) -> BucketChanges:
+        """Wait for the first pass's sizes (one host sync), queue the second pass (which
+        writes the changes and updates the references) and return the changes."""
+        if not self.kinds:
+            return BucketChanges(outputs=tuple(self.outputs), spans=tuple(self.spans))  # type: ignore[arg-type]
+        if self.ready_at is not None:
+            self.ready_at.synchronize()
+        assert self.tensor_ends is not None and self.ends is not None and self.counts is not None
+        ends_iter = iter(self.tensor_ends.tolist())
+        starts = self.ends - self.counts
+        begin = 0
+        outputs, spans = self.outputs, self.spans
+        for kind in self.kinds:
+            ends_of_kind = [next(ends_iter) for _ in kind.indices]
+            new_out, old_out = kind.write(
+                self.kernels[5] if self.mode != "select" else self.kernels[6],
+                self.tables, self.counts, starts, self.bitmap, self.prefix, self.mode,
+                begin, ends_of_kind[-1],
+            )  # fmt: skip
+            output, base = len(outputs), begin
+            outputs.append((kind.elements, new_out, old_out))  # type: ignore[arg-type]
+            for i, end in zip(kind.indices, ends_of_kind, strict=True):
+                spans[i] = (output, begin - base, end - base)
+                begin = end
+        self.news = ()
+        return BucketChanges(outputs=tuple(outputs), spans=tuple(spans))  # type: ignore[arg-type]
 
 
 def _bucket_tile() -> int:
@@ -360,12 +456,15 @@ def _bucket_tile() -> int:
     return BUCKET_ROWS * 32 * BUCKET_STEPS
 
 
-def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A scratch of at least `numel` of `dtype` on `device`, kept between buckets."""
-    scratch = _scratches.get((device, dtype))
+def _scratch(device: torch.device, numel: int, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
+    """A scratch of at least `numel` of `dtype` on `device` in `slot`, kept between
+    buckets (two slots: one bucket's bitmap waits for its second pass while the next
+    bucket's first pass fills the other)."""
+    key = (device, dtype, slot)
+    scratch = _scratches.get(key)
     if scratch is None or scratch.numel() < numel:
-        _scratches.pop((device, dtype), None)  # free the smaller one before taking the larger
-        scratch = _scratches[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+        _scratches.pop(key, None)  # free the smaller one before taking the larger
+        scratch = _scratches[key] = torch.empty(numel, dtype=dtype, device=device)
     return scratch
 
 

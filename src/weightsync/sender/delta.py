@@ -22,8 +22,9 @@ A push with no delta target still records every tensor as the new reference, so 
 next push can take deltas against it.
 
 On CUDA, where the fused kernels run (`weightsync.delta_kernels.ready`), tensors of at least
-`BUCKET_MIN_TENSOR_BYTES` are encoded a bucket at a time (`encode_bucket`: up to
-`BUCKET_BYTES` of them, one fused pass and one host sync for all), not one by one; a tensor
+`BUCKET_MIN_TENSOR_BYTES` are encoded a bucket at a time (`start_encode_bucket`: up to
+`BUCKET_BYTES` of them, one fused pass and one host wait for all, the next bucket's first
+pass queued before that wait), not one by one; a tensor
 the bucket does not take (a smaller one, a cast the kernel does not make, another device, a
 reference in host memory) is encoded alone, after
 the bucket before it, so that the changes reach the layouts in the stream's order either
@@ -65,9 +66,11 @@ _WRAP = 1 << 64
 
 BUCKET_BYTES = 1 << 30
 """Bytes of stream tensors (as the export yields them) a delta push encodes in one fused
-pass on CUDA. The host syncs once per bucket; the pass's scratch is 3/32 of a bucket's
-bf16 bytes (kept between pushes), and a bucket's tensors are held until it is encoded (an
-export that computes its tensors, such as `Fp8Export`, keeps up to this much more alive).
+pass on CUDA. The host waits once per bucket, for its first pass's sizes, while the next
+bucket's first pass runs: two buckets are in flight, each with a scratch of 3/32 of its
+bf16 bytes (kept between pushes), and each bucket's tensors are held until its second pass
+is queued (an export that computes its tensors, such as `Fp8Export`, keeps up to twice this
+much more alive).
 On an H200 (bf16, 2 %, the bitmap pass of `weightsync.delta_kernels`), 256 MiB buckets
 took 24.4 ms for 8.6 GB, 1 GiB 22.0, 4 GiB 21.8: past 1 GiB the syncs cost little."""
 
@@ -151,6 +154,19 @@ class EncodedBucket:
         return Changes(elements=elements, old=old, new=new, numel=self.numels[index])
 
 
+@dataclass(frozen=True, slots=True)
+class StartedBucket:
+    """A bucket whose first pass is queued (`start_encode_bucket`)."""
+
+    counted: delta_kernels.CountedBucket
+    numels: tuple[int, ...]
+
+    def finish(self) -> EncodedBucket:
+        """Wait for the first pass's sizes, queue the second: the bucket's changes, each
+        reference then holding its tensor's bytes (once the device has run it)."""
+        return EncodedBucket(found=self.counted.finish(), numels=self.numels)
+
+
 def encode_bucket(
     reference: DeltaReference,
     entries: Sequence[tuple[str, str, torch.Tensor]],
@@ -172,6 +188,24 @@ def encode_bucket(
         ValueError: an entry `fuses_bucket` refuses, or one named twice (its reference
             would be read and written by two tiles at once).
     """
+    return start_encode_bucket(reference, entries, admitted=admitted).finish()
+
+
+def start_encode_bucket(
+    reference: DeltaReference,
+    entries: Sequence[tuple[str, str, torch.Tensor]],
+    *,
+    admitted: bool = False,
+    slot: int = 0,
+) -> StartedBucket:
+    """`encode_bucket` in two steps (`weightsync.delta_kernels.start_bucket`): this queues
+    the first pass without waiting; ``finish()`` of the result waits for its sizes alone
+    and queues the second. Starting the next bucket before finishing this one keeps the
+    device busy while the host waits; the two then take different scratch `slot`s.
+
+    Raises:
+        ValueError: as `encode_bucket`, or a slot that is not 0 or 1.
+    """
     news, refs, dtypes = [], [], []
     if len({(dtype_name, hf_name) for dtype_name, hf_name, _ in entries}) != len(entries):
         raise ValueError("a fused bucket names a tensor twice; encode it in separate buckets")
@@ -184,8 +218,8 @@ def encode_bucket(
         news.append(tensor.reshape(-1).contiguous())
         refs.append(reference.bits(dtype_name, hf_name))
         dtypes.append(torch_dtype(dtype_name))
-    found = delta_kernels.find_changes_bucket_spans(news, refs, dtypes)
-    return EncodedBucket(found=found, numels=tuple(ref.numel() for ref in refs))
+    counted = delta_kernels.start_bucket(news, refs, dtypes, slot=slot)
+    return StartedBucket(counted=counted, numels=tuple(ref.numel() for ref in refs))
 
 
 def wrap_int64(value: int) -> int:
@@ -642,6 +676,9 @@ class DeltaPush:
         pending: list[tuple[int, DeltaMap, str, Changes | _Span | None]] = []
         bucket: list[tuple[int, DeltaMap, str, torch.Tensor]] = []
         bucket_bytes = 0
+        # The bucket whose first pass is queued, and the scratch slot the next one takes.
+        started: StartedBucket | None = None
+        slot = 0
         for hf_name, tensor in export:
             index = by_name.get(hf_name)
             if index is None:
@@ -665,7 +702,11 @@ class DeltaPush:
                 pending.append((index, delta_map, hf_name, None))
                 bucket_bytes += tensor.numel() * tensor.element_size()
                 if bucket_bytes >= BUCKET_BYTES:
-                    num_changed += self._encode_bucket(bucket, pending)
+                    # This bucket's first pass is queued before the host waits for the
+                    # sizes of the one before it: the device is not left idle meanwhile.
+                    queued = self._start_bucket(bucket, slot)
+                    num_changed += self._finish_bucket(started, pending)
+                    started, slot = queued, 1 - slot
                     bucket, bucket_bytes = [], 0
                     self._file(pending, infos, pieces)
                 continue
@@ -674,7 +715,9 @@ class DeltaPush:
             pending.append((index, delta_map, hf_name, changes))
             if not bucket:
                 self._file(pending, infos, pieces)
-        num_changed += self._encode_bucket(bucket, pending)
+        queued = self._start_bucket(bucket, slot)
+        num_changed += self._finish_bucket(started, pending)
+        num_changed += self._finish_bucket(queued, pending)
         self._file(pending, infos, pieces)
         encoded = time.perf_counter()
         missing = by_name.keys() - set(names)
@@ -707,20 +750,30 @@ class DeltaPush:
             seconds=end - start,
         )
 
-    def _encode_bucket(
-        self,
-        bucket: Sequence[tuple[int, DeltaMap, str, torch.Tensor]],
+    def _start_bucket(
+        self, bucket: Sequence[tuple[int, DeltaMap, str, torch.Tensor]], slot: int
+    ) -> StartedBucket | None:
+        """Queue the first pass over `bucket`'s tensors in scratch `slot` (None: empty)."""
+        if not bucket:
+            return None
+        entries = [(delta_map.dtype, hf_name, tensor) for _, delta_map, hf_name, tensor in bucket]
+        return start_encode_bucket(self.reference, entries, admitted=True, slot=slot)
+
+    @staticmethod
+    def _finish_bucket(
+        started: StartedBucket | None,
         pending: list[tuple[int, DeltaMap, str, Changes | _Span | None]],
     ) -> int:
-        """Encode `bucket`'s tensors in one fused pass and put their changes in their places
-        in `pending` (the bucket's tensors are its entries still without changes, in
-        order); the elements that changed."""
-        if not bucket:
+        """Finish `started` and put its tensors' changes in their places in `pending` (its
+        tensors are the first entries still without changes, in order); the elements that
+        changed."""
+        if started is None:
             return 0
-        entries = [(delta_map.dtype, hf_name, tensor) for _, delta_map, hf_name, tensor in bucket]
-        encoded = encode_bucket(self.reference, entries, admitted=True)
+        encoded = started.finish()
         changed, next_one = 0, 0
         for at, (index, delta_map, hf_name, changes) in enumerate(pending):
+            if next_one == len(encoded.numels):
+                break
             if changes is None:
                 span = _Span(encoded, next_one)
                 next_one += 1
