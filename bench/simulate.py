@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import secrets
@@ -290,12 +291,18 @@ def predict_cluster(densities: list[float]) -> dict[str, Any]:
         config, trainer=CLUSTER_TRAINER, network=network, fp8=True, **CLUSTER_ROLLOUT
     )
     rates = DeltaRates.h200()
+    # The default check derives the checksums after in the scatter's pass; a full read
+    # after is priced beside it.
+    checks = ("changes", "full") if rates.derives else ("full",)
     rows = []
-    for density in densities:
-        log(f"  delta at {density:.2%} of bf16 elements")
-        delta = delta_prediction(full, config, density=DeltaDensity.measured(density), rates=rates)
+    for density, check in itertools.product(densities, checks):
+        log(f"  delta at {density:.2%} of bf16 elements, check={check}")
+        delta = delta_prediction(
+            full, config, density=DeltaDensity.measured(density), rates=rates, check=check
+        )
         rows.append(
             {
+                "check": check,
                 "density": dataclasses.asdict(delta.density),
                 "bytes": delta.num_bytes,
                 "byte_ratio": delta.byte_ratio,
@@ -346,7 +353,7 @@ def print_cluster(summary: dict[str, Any]) -> None:
     for row in summary["deltas"]:
         rows.append(
             [
-                f"delta {row['density']['elements']:.1%}",
+                f"delta {row['density']['elements']:.1%}, check={row['check']}",
                 f"{row['bytes'] / 1e9:.1f} GB ({row['byte_ratio']:.2%})",
                 f"{row['encode_s']:.3f}",
                 f"{row['wire_s']:.3f}",
@@ -365,7 +372,8 @@ def print_cluster(summary: dict[str, Any]) -> None:
     for row in summary["deltas"]:
         verdict = "meets" if row["meets_target"] else "misses"
         print(
-            f"delta {row['density']['elements']:.1%}: {row['total_s']:.3f} s {verdict} the "
+            f"delta {row['density']['elements']:.1%}, check={row['check']}: "
+            f"{row['total_s']:.3f} s {verdict} the "
             f"{summary['target_s']:g} s target; replica = "
             f"{row['num_checksums']} x checksum "
             f"{row['checksum_s'] * 1e3:.1f} ms + apply {row['apply_s'] * 1e3:.1f} ms; encode = "

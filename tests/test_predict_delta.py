@@ -218,6 +218,45 @@ def test_rates_refuse_what_cannot_be() -> None:
     assert DeltaRates(**{**good, "host_tensor_s": 0.0}).host_s(1000) == 0.0
 
 
+def test_the_derived_apply_is_fitted_where_measured_and_prices_check_changes(full) -> None:
+    """A derived apply measured at both densities gets its own rates, which price a
+    ``check="changes"`` replica (one checksum, the derived apply); unmeasured, the plain
+    apply stands in for it; half a pair of rates is refused."""
+    plain = {
+        0.02: KernelTimes(encode_s=2e-2, layout_s=2e-2, apply_s=1e-2, checksum_s=3e-3),
+        0.05: KernelTimes(encode_s=3e-2, layout_s=3e-2, apply_s=1.1e-2, checksum_s=3e-3),
+    }
+    derived = {d: dataclasses.replace(t, derive_s=t.apply_s * 1.5) for d, t in plain.items()}
+    num_bytes = 2**33
+    rates = DeltaRates.fit(num_bytes=num_bytes, element_size=2, measured=derived)
+    assert rates.derives
+    for density, times in derived.items():
+        changes = round(density * num_bytes // 2)
+        assert rates.derive_s(num_bytes, changes) == pytest.approx(times.derive_s)
+        assert rates.apply_s(num_bytes, changes) == pytest.approx(times.apply_s)
+    unmeasured = DeltaRates.fit(num_bytes=num_bytes, element_size=2, measured=plain)
+    assert not unmeasured.derives and unmeasured.derive_s(10**9, 10**6) == pytest.approx(
+        unmeasured.apply_s(10**9, 10**6)
+    )
+    # Half measured (one density only): not fitted.
+    half = {0.02: derived[0.02], 0.05: plain[0.05]}
+    assert not DeltaRates.fit(num_bytes=num_bytes, element_size=2, measured=half).derives
+    good = dataclasses.asdict(rates)
+    with pytest.raises(ValueError, match="measured together"):
+        DeltaRates(**{**good, "derive_changes_per_s": None})
+    with pytest.raises(ValueError, match=r"DeltaRates\.derive_gbps must be a positive number"):
+        DeltaRates(**{**good, "derive_gbps": -1.0})
+    config, prediction = full
+    density = DeltaDensity.measured(0.02)
+    changes = delta_prediction(prediction, config, density=density, rates=rates, check="changes")
+    checked = delta_prediction(prediction, config, density=density, rates=rates, check="full")
+    assert changes.num_checksums == 1 and checked.num_checksums == 2
+    # The same slowest replica's work, priced by the derived apply and by the plain one.
+    assert changes.apply_s == pytest.approx(1.5 * checked.apply_s, rel=0.2)
+    assert changes.apply_s > checked.apply_s
+    assert changes.replica_s == pytest.approx(changes.checksum_s + changes.apply_s)
+
+
 def test_the_host_pays_for_every_tensor_the_busiest_sender_encodes(full) -> None:
     config, prediction = full
     density = DeltaDensity.measured(0.02)
@@ -409,7 +448,12 @@ def test_faster_rates_give_faster_phases(full) -> None:
     rates = DeltaRates.h200()
     # Twice the rates, and half the host's time per tensor (a time, not a rate).
     given = dataclasses.asdict(rates)
-    doubled = DeltaRates(**{k: v / 2 if k == "host_tensor_s" else 2 * v for k, v in given.items()})
+    doubled = DeltaRates(
+        **{
+            k: v / 2 if k == "host_tensor_s" else None if v is None else 2 * v
+            for k, v in given.items()
+        }
+    )
     slow = delta_prediction(prediction, config, density=density, rates=rates)
     fast = delta_prediction(prediction, config, density=density, rates=doubled)
     assert fast.encode_s == pytest.approx(slow.encode_s / 2)

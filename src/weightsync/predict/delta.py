@@ -21,10 +21,10 @@ element (each part 8-byte aligned). `delta_prediction` prices that on a full pre
    rollout's dtype) to find the changes, then lays out each layout's payload; each rollout
    GPU checksums its parameters (its base), applies its payloads and checksums every
    parameter again (``check="full"``, the default here: the dearer of the two), or derives
-   its checksums after from the elements it wrote (``check="changes"``: one checksum, the
-   derivation not priced; a CUDA rank running the fused scatter, as under the
-   `weightsync.manager.config.ControlConfig` default, derives in the scatter's pass, whose cost
-   with the derivation the fitted H200 rates do not hold yet). Each step
+   its checksums after from the elements it wrote (``check="changes"``, the
+   `weightsync.manager.config.ControlConfig` default: one checksum, and a CUDA rank derives
+   in the fused scatter's pass, priced by the derived apply's own rates where they were
+   measured, `KernelTimes.derive_s`, and by the plain apply's otherwise). Each step
    takes bytes over a rate plus changed elements over a rate (`DeltaRates`, fitted from
    `bench/delta_kernels.py` on one H200 at two densities). A sender's host also spends a
    fixed time on every tensor it encodes (`DeltaRates.host_tensor_s`, measured end to end:
@@ -196,12 +196,16 @@ class KernelTimes:
         layout_s: laying the changes out as a payload, with the checksum changes.
         apply_s: applying the payload in place.
         checksum_s: checksumming every parameter once.
+        derive_s: applying the payload with the checksums after derived from the elements
+            it writes (`weightsync.delta_codec.apply_and_check`, ``check="changes"``: on
+            CUDA the fused scatter derives them in its pass); None where not measured.
     """
 
     encode_s: float
     layout_s: float
     apply_s: float
     checksum_s: float
+    derive_s: float | None = None
 
 
 # bench/delta_kernels.py --device cuda --gb 8.6 on one H200: 64 bf16 tensors of 128 MiB,
@@ -239,6 +243,9 @@ class DeltaRates:
         checksum_gbps: GB/s of parameters read by a checksum.
         host_tensor_s: host seconds per tensor a sender encodes, beside the device work
             (`HOST_TENSOR_S`; 0 leaves it out).
+        derive_gbps, derive_changes_per_s: applying with the checksums after derived
+            (`KernelTimes.derive_s`), as `apply_gbps` and `apply_changes_per_s`; None where
+            not measured (both or neither).
 
     Raises:
         ValueError: a rate that is not a positive, finite number (`host_tensor_s`: not a
@@ -253,10 +260,20 @@ class DeltaRates:
     apply_changes_per_s: float
     checksum_gbps: float
     host_tensor_s: float = 0.0
+    derive_gbps: float | None = None
+    derive_changes_per_s: float | None = None
 
     def __post_init__(self) -> None:
+        optional = {"derive_gbps", "derive_changes_per_s"}
+        if (self.derive_gbps is None) != (self.derive_changes_per_s is None):
+            raise ValueError(
+                "DeltaRates.derive_gbps and derive_changes_per_s are measured together: "
+                f"got {self.derive_gbps!r} and {self.derive_changes_per_s!r}"
+            )
         for name in (f.name for f in fields(self) if f.name != "host_tensor_s"):
             value = getattr(self, name)
+            if name in optional and value is None:
+                continue
             if not isinstance(value, int | float) or not 0.0 < value < math.inf:
                 raise ValueError(f"DeltaRates.{name} must be a positive number, got {value!r}")
         host = self.host_tensor_s
@@ -277,7 +294,7 @@ class DeltaRates:
 
         Each step's time is ``a * bytes + b * changed elements``: the two densities give
         ``a`` and ``b``. A checksum reads the same bytes whatever changed: it takes the mean
-        of the two.
+        of the two. The derived apply is fitted where both measurements hold it.
 
         Args:
             num_bytes: the measured weights' bytes.
@@ -307,6 +324,9 @@ class DeltaRates:
 
         encode, layout, apply = split("encode_s"), split("layout_s"), split("apply_s")
         checksum_s = (at_low.checksum_s + at_high.checksum_s) / 2
+        derive = None
+        if at_low.derive_s is not None and at_high.derive_s is not None:
+            derive = split("derive_s")
         return cls(
             encode_read_gbps=1 / (encode[0] / 2) / 1e9,
             encode_changes_per_s=1 / encode[1],
@@ -315,6 +335,8 @@ class DeltaRates:
             apply_gbps=1 / apply[0] / 1e9,
             apply_changes_per_s=1 / apply[1],
             checksum_gbps=num_bytes / checksum_s / 1e9,
+            derive_gbps=1 / derive[0] / 1e9 if derive else None,
+            derive_changes_per_s=1 / derive[1] if derive else None,
         )
 
     @classmethod
@@ -345,6 +367,18 @@ class DeltaRates:
     def checksum_s(self, num_bytes: int) -> float:
         """Seconds to checksum parameters of `num_bytes`."""
         return num_bytes / (self.checksum_gbps * 1e9)
+
+    @property
+    def derives(self) -> bool:
+        """Whether the derived apply was measured (`derive_s` prices it)."""
+        return self.derive_gbps is not None and self.derive_changes_per_s is not None
+
+    def derive_s(self, covered_bytes: int, changes: int) -> float:
+        """Seconds to apply `changes` into parameters of `covered_bytes` and derive their
+        checksums after (`apply_s` where the derived apply was not measured)."""
+        if self.derive_gbps is None or self.derive_changes_per_s is None:
+            return self.apply_s(covered_bytes, changes)
+        return covered_bytes / (self.derive_gbps * 1e9) + changes / self.derive_changes_per_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -546,8 +580,8 @@ def delta_prediction(
         density: the fraction of elements one step changes, per kind.
         rates: the GPUs' delta rates; default `DeltaRates.h200`.
         check: how the replicas check after applying: ``"full"`` (two full checksums per
-            sync) or ``"changes"`` (one, the base's; deriving the checksums after is not
-            priced: a CUDA rank derives them in the fused scatter's pass).
+            sync) or ``"changes"`` (one, the base's, and the apply that derives the
+            checksums after: `DeltaRates.derive_s`).
 
     Raises:
         ValueError: a config that does not match the units of `full`, or an unknown
@@ -604,7 +638,10 @@ def delta_prediction(
         work = receivers.get(target, _Work())
         num_changed += work.changes
         check = rates.checksum_s(param_bytes)
-        apply = rates.apply_s(work.num_bytes, work.changes)
+        if checks == 2:
+            apply = rates.apply_s(work.num_bytes, work.changes)
+        else:
+            apply = rates.derive_s(work.num_bytes, work.changes)
         if checks * check + apply > checks * checksum_s + apply_s:
             checksum_s, apply_s = check, apply
     result = simulate(schedule, network)
