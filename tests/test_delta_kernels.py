@@ -400,3 +400,33 @@ def test_later_syncs_compile_nothing_whatever_their_sizes_and_table_offsets() ->
     ):
         one_sync(num_tensors, extra, density, seed)
     assert _compiled(kernels) == first
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64]
+)
+def test_checksum_changes_equal_each_parts_checksum_change(dtype) -> None:
+    """The batched kernel's change of each part equals `checksum_change` of it: parts of
+    several tiles and of none, elements past the grid's full rows (tail words), unsorted
+    elements, and parts that are strided views."""
+    generator = torch.Generator().manual_seed(13)
+    parts, expected, grids = [], [], []
+    for numel, count in ((100_003, 2_500), (5_000, 0), (4_097, 700), (3 * 1024 + 7, 1024)):
+        bits = as_bits(torch.randn(numel, generator=generator).to(dtype))
+        elements = torch.randperm(numel, generator=generator)[:count]
+        old = bits[elements]
+        new = old ^ torch.randint(1, 100, (count,), generator=generator).to(old.dtype)
+        expected.append(int(checksum_change(elements, old, new, numel=numel)))
+        size = bits.element_size()
+        num_words = -(-numel * size // 8)
+        grids.append(num_words // CHECK_ROW_WORDS * CHECK_ROW_WORDS)
+        parts.append((elements.to(DEVICE), old.to(DEVICE), new.to(DEVICE)))
+    # A strided view: taken contiguous first.
+    wide = torch.stack([parts[0][0], parts[0][0]], dim=1)
+    parts[0] = (wide[:, 0], parts[0][1], parts[0][2])
+    got = delta_kernels.checksum_changes(parts, grids).tolist()
+    assert got == expected
+    with pytest.raises(ValueError, match="part 1 has 0 elements, 3 old"):
+        delta_kernels.checksum_changes(
+            [parts[0], (parts[1][0], parts[0][1][:3], parts[1][2])], grids
+        )

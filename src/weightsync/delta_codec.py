@@ -1072,6 +1072,36 @@ def checksum_change(
     return _device_change(elements, old, new, rows, row_w, col_w, tail_w)
 
 
+def checksum_changes(
+    changes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+) -> list[int]:
+    """`checksum_change` of each ``(elements, old, new, numel)`` of `changes`, as ints: on
+    a device where the fused kernels run (`weightsync.delta_kernels.ready`), one launch per
+    element size for all of them (a few tables instead of a dozen torch ops each), and one
+    host sync in all."""
+    found: list[torch.Tensor | int | None] = [None] * len(changes)
+    fused: dict[tuple[torch.device, int], list[int]] = {}
+    for index, (elements, old, new, numel) in enumerate(changes):
+        if delta_kernels.ready(elements.device):
+            fused.setdefault((elements.device, new.element_size()), []).append(index)
+        else:
+            found[index] = checksum_change(elements, old, new, numel=numel)
+    for (_, size), indices in fused.items():
+        grids = []
+        for index in indices:
+            num_words = _align(changes[index][3] * size) // 8
+            grids.append(num_words // CHECK_ROW_WORDS * CHECK_ROW_WORDS)
+        moved = delta_kernels.checksum_changes([changes[i][:3] for i in indices], grids)
+        for position, index in enumerate(indices):
+            found[index] = moved[position]
+    on_devices = [x for x in found if isinstance(x, torch.Tensor) and x.device.type != "cpu"]
+    synced = iter(torch.stack(on_devices).tolist() if on_devices else ())
+    return [
+        next(synced) if isinstance(x, torch.Tensor) and x.device.type != "cpu" else int(x)  # type: ignore[arg-type]
+        for x in found
+    ]
+
+
 def _device_change(
     elements: torch.Tensor,
     old: torch.Tensor,

@@ -51,6 +51,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 CHANGE_BLOCK = 1024
@@ -91,6 +92,7 @@ def _kernels():
         delta_triton.bucket_select_kernel,
         delta_triton.scatter_change_kernel,
         delta_triton.largest_offset_kernel,
+        delta_triton.change_kernel,
     )
 
 
@@ -817,3 +819,68 @@ def largest_offsets(
             CHUNK=SCATTER_CHUNK,
         )
     return out
+
+
+CHANGE_TILE = 1024
+"""Changed elements a `checksum_changes` program takes."""
+
+
+def checksum_changes(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    grid_words: Sequence[int],
+) -> torch.Tensor:
+    """`weightsync.delta_codec.checksum_change` of each ``(elements, old, new)`` of
+    `parts` (int64 element indices and their bits before and after, of one element size,
+    all on one device), whose parameter has ``grid_words[i]`` words in full
+    rows of the checksum's grid: an int64 tensor with one value per part, on their device,
+    in one launch and without a host sync.
+
+    Raises:
+        RuntimeError: Triton is not available (check `ready` first).
+        ValueError: parts of several element sizes, or a part whose lengths differ.
+    """
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("checksum_changes needs Triton")
+    if not parts:
+        raise ValueError("checksum_changes needs at least one part")
+    device = parts[0][0].device
+    bits = parts[0][2].dtype
+    size = parts[0][2].element_size()
+    # Held until the launch: a contiguous copy freed earlier could be overwritten first.
+    parts = [tuple(t.contiguous() for t in part) for part in parts]
+    columns = []
+    for index, (elements, old, new) in enumerate(parts):
+        count = elements.numel()
+        if old.dtype != bits or new.dtype != bits or old.numel() != count or new.numel() != count:
+            raise ValueError(
+                f"checksum_changes: part {index} has {count} elements, {old.numel()} old and "
+                f"{new.numel()} new {new.dtype} bits (every part {bits}, one of each)"
+            )
+        # Its tiles: each one's addresses, count, grid and part, built in a few numpy ops
+        # (a dense model's parameters hold tens of thousands of tiles).
+        firsts = np.arange(0, count, CHANGE_TILE, dtype=np.int64)
+        columns.append(
+            np.stack(
+                [
+                    elements.data_ptr() + 8 * firsts,
+                    old.data_ptr() + size * firsts,
+                    new.data_ptr() + size * firsts,
+                    np.minimum(CHANGE_TILE, count - firsts),
+                    np.full_like(firsts, grid_words[index]),
+                    np.full_like(firsts, index),
+                ]
+            )
+        )
+    out = torch.zeros(len(parts), dtype=torch.int64, device=device)
+    tiles = np.concatenate(columns, axis=1)
+    if not tiles.shape[1]:
+        return out
+    host = torch.from_numpy(tiles)
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    partial = torch.empty(tiles.shape[1], dtype=torch.int64, device=device)
+    kernels[9][(tiles.shape[1],)](
+        table[0], table[1], table[2], table[3], table[4], partial,
+        BITS=_bits(size), SIZE=size, COLS=CHECK_COLUMNS, CHUNK=CHANGE_TILE,
+    )  # fmt: skip
+    return out.index_add_(0, table[5], partial)

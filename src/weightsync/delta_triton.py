@@ -212,6 +212,50 @@ def scatter_change_kernel(
     tl.store(strict_ptr + block, (tl.sum(repeats, axis=0) == 0).to(tl.int64))
 
 
+@triton.jit(do_not_specialize_on_alignment=["elements_ptr", "old_ptr", "new_ptr", "count_ptr"])
+def change_kernel(
+    elements_ptr,
+    old_ptr,
+    new_ptr,
+    count_ptr,
+    grid_ptr,
+    out_ptr,
+    BITS: tl.constexpr,
+    SIZE: tl.constexpr,
+    COLS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """How one tile of a parameter's changes moves its checksum: ``count_ptr[tile]``
+    elements (int64 indices read at address ``elements_ptr[tile]``) going from the bits at
+    ``old_ptr[tile]`` to those at ``new_ptr[tile]``; ``(new - old)`` at each element's place
+    in its word, times the word's weight (as `scatter_change_kernel`), summed into
+    ``out_ptr[tile]``."""
+    tile = tl.program_id(0)
+    elements = tl.load(elements_ptr + tile).to(tl.pointer_type(tl.int64))
+    olds = tl.load(old_ptr + tile).to(tl.pointer_type(BITS))
+    news = tl.load(new_ptr + tile).to(tl.pointer_type(BITS))
+    count = tl.load(count_ptr + tile)
+    grid = tl.load(grid_ptr + tile)
+    lanes = tl.arange(0, CHUNK)
+    live = lanes < count
+    element = tl.load(elements + lanes, mask=live, other=0)
+    old = tl.load(olds + lanes, mask=live, other=0)
+    value = tl.load(news + lanes, mask=live, other=0)
+    if SIZE < 8:
+        diff = (value.to(tl.int64) & ((1 << (8 * SIZE)) - 1)) - (
+            old.to(tl.int64) & ((1 << (8 * SIZE)) - 1)
+        )
+    else:
+        diff = value.to(tl.int64) - old.to(tl.int64)
+    byte = element * SIZE
+    word = byte >> 3
+    diff = diff << ((byte & 7) * 8)
+    inside = mix(((word // COLS) * 4).to(tl.uint64)) + mix(((word % COLS) * 4 + 1).to(tl.uint64))
+    tail = mix(((word - grid) * 4 + 2).to(tl.uint64))
+    weight = tl.where(word < grid, inside, tail).to(tl.int64, bitcast=True)
+    tl.store(out_ptr + tile, tl.sum(tl.where(live, diff * weight, 0), axis=0))
+
+
 @triton.jit(
     do_not_specialize=["total"],
     do_not_specialize_on_alignment=["offsets_at_ptr", "count_ptr", "payload_ptr"],

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from weightsync import delta_kernels
-from weightsync.delta_codec import PayloadLayout, Section, checksum_change, lay_out
+from weightsync.delta_codec import PayloadLayout, Section, checksum_changes, lay_out
 from weightsync.export.base import WeightExport
 from weightsync.layout.dtypes import DTYPE_SIZES
 from weightsync.plan.delta import DeltaMap, DeltaTarget, delta_maps
@@ -563,11 +563,7 @@ def _moved(moves: Sequence[_Move]) -> dict[str, int]:
     """``{param_name: checksum change}`` of `moves`, one per parameter (a fused experts
     parameter takes hundreds of pieces: one change over all of them, not one each), with one
     host sync for all where they lie on one device."""
-    found = [checksum_change(m.elements, m.old, m.new, numel=m.numel) for m in moves]
-    if len({change.device for change in found}) == 1:
-        values = torch.stack(found).tolist()
-    else:
-        values = [int(change) for change in found]
+    values = checksum_changes([(m.elements, m.old, m.new, m.numel) for m in moves])
     return dict(zip((m.param_name for m in moves), values, strict=True))
 
 
