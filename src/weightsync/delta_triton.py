@@ -152,6 +152,27 @@ def scatter_kernel(
         tl.store(dest + start + offset, value, mask=live)
 
 
+@triton.jit
+def _weighted_change(element, old, value, grid, SIZE: tl.constexpr, COLS: tl.constexpr):
+    """How `element` (int64 index) going from bits `old` to `value` (`SIZE` bytes each)
+    moves its parameter's checksum: ``(new - old)`` at the element's place in its word,
+    times the word's weight (its row's plus its column's in the grid of `COLS` words a row,
+    or its tail weight past the grid's `grid` words)."""
+    if SIZE < 8:
+        diff = (value.to(tl.int64) & ((1 << (8 * SIZE)) - 1)) - (
+            old.to(tl.int64) & ((1 << (8 * SIZE)) - 1)
+        )
+    else:
+        diff = value.to(tl.int64) - old.to(tl.int64)
+    byte = element * SIZE
+    word = byte >> 3
+    diff = diff << ((byte & 7) * 8)
+    inside = mix(((word // COLS) * 4).to(tl.uint64)) + mix(((word % COLS) * 4 + 1).to(tl.uint64))
+    tail = mix(((word - grid) * 4 + 2).to(tl.uint64))
+    weight = tl.where(word < grid, inside, tail).to(tl.int64, bitcast=True)
+    return diff * weight
+
+
 @triton.jit(do_not_specialize_on_alignment=[*_SCATTER_TABLES, "grid_ptr"])
 def scatter_change_kernel(
     dest_ptr,
@@ -169,9 +190,8 @@ def scatter_change_kernel(
     CHUNK: tl.constexpr,
 ):
     """`scatter_kernel`, and how the block moves its parameter's checksum: each element's
-    bits are read just before its value is written, and ``(new - old)`` at the element's
-    place in its word, times the word's weight (its row's plus its column's, or its tail
-    weight past the grid's ``grid_ptr[block]`` words), is summed into ``change_ptr[block]``.
+    bits are read just before its value is written, and its `_weighted_change` (the grid's
+    full rows holding ``grid_ptr[block]`` words) is summed into ``change_ptr[block]``.
     ``strict_ptr[block]`` is 1 where the block's offsets ascend strictly (no element is
     written twice, so each counts once)."""
     block = tl.program_id(0)
@@ -193,21 +213,7 @@ def scatter_change_kernel(
         element = start + offset
         old = tl.load(dest + element, mask=live, other=0)
         tl.store(dest + element, value, mask=live)
-        if SIZE < 8:
-            diff = (value.to(tl.int64) & ((1 << (8 * SIZE)) - 1)) - (
-                old.to(tl.int64) & ((1 << (8 * SIZE)) - 1)
-            )
-        else:
-            diff = value.to(tl.int64) - old.to(tl.int64)
-        byte = element * SIZE
-        word = byte >> 3
-        diff = diff << ((byte & 7) * 8)
-        inside = mix(((word // COLS) * 4).to(tl.uint64)) + mix(
-            ((word % COLS) * 4 + 1).to(tl.uint64)
-        )
-        tail = mix(((word - grid) * 4 + 2).to(tl.uint64))
-        weight = tl.where(word < grid, inside, tail).to(tl.int64, bitcast=True)
-        total += tl.where(live, diff * weight, 0)
+        total += tl.where(live, _weighted_change(element, old, value, grid, SIZE, COLS), 0)
     tl.store(change_ptr + block, tl.sum(total, axis=0))
     tl.store(strict_ptr + block, (tl.sum(repeats, axis=0) == 0).to(tl.int64))
 
@@ -227,8 +233,7 @@ def change_kernel(
 ):
     """How one tile of a parameter's changes moves its checksum: ``count_ptr[tile]``
     elements (int64 indices read at address ``elements_ptr[tile]``) going from the bits at
-    ``old_ptr[tile]`` to those at ``new_ptr[tile]``; ``(new - old)`` at each element's place
-    in its word, times the word's weight (as `scatter_change_kernel`), summed into
+    ``old_ptr[tile]`` to those at ``new_ptr[tile]``, their `_weighted_change` summed into
     ``out_ptr[tile]``."""
     tile = tl.program_id(0)
     elements = tl.load(elements_ptr + tile).to(tl.pointer_type(tl.int64))
@@ -241,19 +246,8 @@ def change_kernel(
     element = tl.load(elements + lanes, mask=live, other=0)
     old = tl.load(olds + lanes, mask=live, other=0)
     value = tl.load(news + lanes, mask=live, other=0)
-    if SIZE < 8:
-        diff = (value.to(tl.int64) & ((1 << (8 * SIZE)) - 1)) - (
-            old.to(tl.int64) & ((1 << (8 * SIZE)) - 1)
-        )
-    else:
-        diff = value.to(tl.int64) - old.to(tl.int64)
-    byte = element * SIZE
-    word = byte >> 3
-    diff = diff << ((byte & 7) * 8)
-    inside = mix(((word // COLS) * 4).to(tl.uint64)) + mix(((word % COLS) * 4 + 1).to(tl.uint64))
-    tail = mix(((word - grid) * 4 + 2).to(tl.uint64))
-    weight = tl.where(word < grid, inside, tail).to(tl.int64, bitcast=True)
-    tl.store(out_ptr + tile, tl.sum(tl.where(live, diff * weight, 0), axis=0))
+    change = _weighted_change(element, old, value, grid, SIZE, COLS)
+    tl.store(out_ptr + tile, tl.sum(tl.where(live, change, 0), axis=0))
 
 
 @triton.jit(
