@@ -301,7 +301,9 @@ def start_bucket(
     while the host waits (the references are updated at `finish`).
 
     Args:
-        news, refs, dtypes: as `find_changes_bucket`.
+        news: the tensors, as `find_changes_bucket` takes them.
+        refs: their reference bits, as there.
+        dtypes: each tensor's rollout dtype.
         slot: the scratch the pass keeps its bitmap in until `finish` (0 or 1): a bucket
             started before another one finished takes the other slot.
 
