@@ -385,8 +385,9 @@ def test_later_syncs_compile_nothing_whatever_their_sizes_and_table_offsets() ->
         big = torch.randn(3_000_000 + 7 * extra, generator=generator).to(DEVICE)
         ref = _changed(as_bits(big.to(torch.bfloat16)), 0.02, seed)
         delta_kernels.find_changes(big, ref, torch.bfloat16)
-        params = _on_device(_named(torch.Generator().manual_seed(seed)))
+        params = _named(torch.Generator().manual_seed(seed))
         payloads, _, expected = _payloads(params, torch.Generator().manual_seed(seed), density)
+        params = _on_device(params)
         payloads = [p.to(DEVICE) for p in payloads]
         checked = apply_and_check(payloads, params, expected, base=checksums(params))
         assert checked.check == "changes" and not checked.mismatched
