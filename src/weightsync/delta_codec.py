@@ -1078,7 +1078,7 @@ def checksum_changes(
     """`checksum_change` of each ``(elements, old, new, numel)`` of `changes`, as ints: on
     a device where the fused kernels run (`weightsync.delta_kernels.ready`), one launch per
     element size for all of them (a few tables instead of a dozen torch ops each), and one
-    host sync in all."""
+    host sync per device."""
     found: list[torch.Tensor | int | None] = [None] * len(changes)
     fused: dict[tuple[torch.device, int], list[int]] = {}
     for index, (elements, old, new, numel) in enumerate(changes):
@@ -1094,12 +1094,17 @@ def checksum_changes(
         moved = delta_kernels.checksum_changes([changes[i][:3] for i in indices], grids)
         for position, index in enumerate(indices):
             found[index] = moved[position]
-    on_devices = [x for x in found if isinstance(x, torch.Tensor) and x.device.type != "cpu"]
-    synced = iter(torch.stack(on_devices).tolist() if on_devices else ())
-    return [
-        next(synced) if isinstance(x, torch.Tensor) and x.device.type != "cpu" else int(x)  # type: ignore[arg-type]
-        for x in found
-    ]
+    # One host sync per device (a rank's tensors may lie on more than one).
+    by_device: dict[torch.device, list[int]] = {}
+    for index, x in enumerate(found):
+        if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+            by_device.setdefault(x.device, []).append(index)
+    values = [x if isinstance(x, int) else None for x in found]
+    for indices in by_device.values():
+        synced = torch.stack([found[i] for i in indices]).tolist()  # type: ignore[misc]
+        for index, value in zip(indices, synced, strict=True):
+            values[index] = value
+    return [int(found[i]) if v is None else v for i, v in enumerate(values)]  # type: ignore[arg-type]
 
 
 def _device_change(
